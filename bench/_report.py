@@ -1,0 +1,58 @@
+"""Shared helpers for the benchmarks: machine description and marker-delimited sections
+of ``docs/benchmarks.md``."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+
+__all__ = ["write_section", "machine_description", "BENCHMARKS_MD"]
+
+BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description() -> str:
+    """One markdown line: CPU model and cores, torch version, threads, GPU name (if any)."""
+    parts = [f"CPU: {_cpu_model()} ({os.cpu_count()} logical cores)"]
+    try:
+        import torch
+
+        parts.append(f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+        if torch.cuda.is_available():
+            parts.append(f"GPU: {torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})")
+        else:
+            parts.append("GPU: none")
+    except ImportError:  # pragma: no cover
+        parts.append("torch not installed")
+    parts.append(f"Python {platform.python_version()}, {platform.system()} {platform.release()}")
+    return "; ".join(parts)
+
+
+def write_section(name: str, markdown: str, path: str | Path | None = None) -> Path:
+    """Replace the text between ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->``
+    in ``docs/benchmarks.md`` (appending the section, or creating the file, when missing);
+    the rest of the file is kept as is."""
+    path = Path(path) if path is not None else BENCHMARKS_MD
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

@@ -1,0 +1,11 @@
+"""Endpoint half of my_pkg: an admin HTTP API for vLLM's OpenAI server.
+
+Loaded by vLLM through the ``vllm.endpoint_plugins`` entry point
+``my_pkg_admin``.  Imports nothing from vLLM at import time.
+"""
+
+from my_pkg.endpoints.client import AdminHandler
+from my_pkg.endpoints.config import ROUTE_PREFIX, STATE_ATTR
+from my_pkg.endpoints.plugin import AdminEndpointPlugin
+
+__all__ = ["AdminEndpointPlugin", "AdminHandler", "ROUTE_PREFIX", "STATE_ATTR"]

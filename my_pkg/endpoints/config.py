@@ -1,0 +1,125 @@
+"""Environment-driven settings of the endpoint half.
+
+Nothing here imports vLLM: the values are read straight from ``os.environ``
+so that the module stays cheap to import in unit tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+from my_pkg import PLUGIN_NAME
+
+# vLLM configures a handler on the "vllm" logger only (propagate=False), so a
+# child of it is what makes our messages show up in the server log with
+# vLLM's formatting and VLLM_LOGGING_LEVEL.
+LOGGER_NAME = "vllm.my_pkg.endpoints"
+
+logger = logging.getLogger(LOGGER_NAME)
+
+#: URL prefix of every route of the plugin.
+ROUTE_PREFIX = f"/plugins/{PLUGIN_NAME}"
+
+#: Attribute of ``app.state`` holding the :class:`AdminHandler`.
+STATE_ATTR = "my_pkg_admin"
+
+#: Entry-point name of the engine half in ``vllm.general_plugins``.
+ENGINE_PLUGIN_ENTRY = "my_pkg_engine"
+#: Entry-point name of this (endpoint) half in ``vllm.endpoint_plugins``.
+ENDPOINT_PLUGIN_ENTRY = "my_pkg_admin"
+
+ENV_ADMIN_TOKEN = "MY_PKG_ADMIN_TOKEN"
+ENV_RPC_TIMEOUT = "MY_PKG_RPC_TIMEOUT"
+ENV_DISABLE = "MY_PKG_DISABLE"
+ENV_VLLM_API_KEY = "VLLM_API_KEY"
+ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
+
+DEFAULT_RPC_TIMEOUT = 10.0
+
+#: Sections accepted by ``GET /plugins/my_pkg/config/{section}``.
+CONFIG_SECTIONS: tuple[str, ...] = ("scheduler", "model", "cache", "parallel")
+
+
+def rpc_timeout_from_env() -> float:
+    """Worker RPC timeout in seconds from ``MY_PKG_RPC_TIMEOUT``.
+
+    Unset or empty gives the default; anything that is not a finite positive
+    number also gives the default, with a warning.
+    """
+    raw = os.environ.get(ENV_RPC_TIMEOUT)
+    if raw is None or not raw.strip():
+        return DEFAULT_RPC_TIMEOUT
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        logger.warning(
+            "Ignoring invalid %s=%r (expected a positive number of seconds); "
+            "using the default of %.0f s.",
+            ENV_RPC_TIMEOUT,
+            raw,
+            DEFAULT_RPC_TIMEOUT,
+        )
+        return DEFAULT_RPC_TIMEOUT
+    return value
+
+
+def disabled_by_env() -> bool:
+    """True when ``MY_PKG_DISABLE`` is set to a true value ("1", "true", "yes",
+    "on"; the values the engine half accepts) in this process."""
+    return os.environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def vllm_plugins_allowlist() -> list[str] | None:
+    """The ``VLLM_PLUGINS`` allowlist as vLLM parses it (None when unset)."""
+    raw = os.environ.get(ENV_VLLM_PLUGINS)
+    if raw is None:
+        return None
+    return [name.strip() for name in raw.split(",")]
+
+
+def engine_half_excluded_by_allowlist() -> bool:
+    """True when ``VLLM_PLUGINS`` is set and does not name the engine half."""
+    allow = vllm_plugins_allowlist()
+    return allow is not None and ENGINE_PLUGIN_ENTRY not in allow
+
+
+def diagnose_engine_half() -> tuple[str, str, str]:
+    """Best guess, from this process's environment, of why the engine half of
+    the plugin is not answering.
+
+    Returns ``(cause, message, hint)`` where ``cause`` is one of
+    ``"not_in_vllm_plugins"``, ``"disabled"`` or ``"not_loaded"``.
+    """
+    if engine_half_excluded_by_allowlist():
+        current = os.environ.get(ENV_VLLM_PLUGINS, "")
+        wanted = ",".join(
+            [p for p in (vllm_plugins_allowlist() or []) if p] + [ENGINE_PLUGIN_ENTRY]
+        )
+        return (
+            "not_in_vllm_plugins",
+            f"The engine half of {PLUGIN_NAME} is not loaded in the workers: "
+            f"{ENV_VLLM_PLUGINS}={current!r} does not include "
+            f"{ENGINE_PLUGIN_ENTRY!r}.",
+            f"Add {ENGINE_PLUGIN_ENTRY} to {ENV_VLLM_PLUGINS} and restart the "
+            f"server, e.g. {ENV_VLLM_PLUGINS}={wanted}.",
+        )
+    if disabled_by_env():
+        return (
+            "disabled",
+            f"The engine half of {PLUGIN_NAME} is disabled: "
+            f"{ENV_DISABLE}={os.environ.get(ENV_DISABLE)!r}.",
+            f"Unset {ENV_DISABLE} (or set it to 0) and restart the server.",
+        )
+    return (
+        "not_loaded",
+        f"The engine half of {PLUGIN_NAME} is not loaded in the workers "
+        "(its worker methods are unknown).",
+        f"Install the same {PLUGIN_NAME} version in the environment the "
+        f"workers run in, make sure the {ENGINE_PLUGIN_ENTRY} entry point is "
+        f"loaded (include it in {ENV_VLLM_PLUGINS} if you set that variable), "
+        "and check the worker log for plugin load errors.",
+    )

@@ -1,0 +1,185 @@
+"""Error type of the admin API and mapping of worker RPC failures.
+
+Every error leaves the plugin as a JSON body in vLLM's style::
+
+    {"error": {"message": str, "type": str, "code": int, "hint": str | None,
+               ...extra fields...}}
+
+How a worker RPC failure reaches the API server (vLLM v1, multiprocess
+engine core): the engine core runs ``collective_rpc`` as a utility call and,
+when it raises, sends back only ``"Call to collective_rpc method failed:
+<str(exc)>"``; the client turns that into a plain ``Exception``.  The original
+type is therefore lost and is recovered from the text:
+
+* a worker raising ``X`` -> ``Exception("... Worker failed with error 'X' ...")``
+  (the multiprocess executor wraps it in ``RuntimeError`` first);
+* an unknown worker method -> the worker raises ``NotImplementedError("Method
+  'name' is not implemented.")``, which arrives as text in the same way;
+* an executor timeout -> ``TimeoutError("RPC call to name timed out.")``,
+  again as text.
+
+In-process clients (and tests) may raise the original types, so both the
+type (walking ``__cause__``/``__context__``) and the text are checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from http import HTTPStatus
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from my_pkg.endpoints.config import ENV_RPC_TIMEOUT, diagnose_engine_half
+
+MAX_MESSAGE_CHARS = 2000
+
+# vLLM's run_method raises NotImplementedError for an unknown name on some
+# executors; the CPU/GPU worker wrapper's attribute lookup raises AttributeError
+# on others. Either way only the text reaches the API server.
+_NOT_IMPLEMENTED_RE = re.compile(
+    r"Method '([^']*)' is not implemented|object has no attribute '(my_pkg_[A-Za-z_]*)'"
+)
+_TIMEOUT_RE = re.compile(r"RPC call to \S+ timed out")
+
+
+class AdminAPIError(Exception):
+    """An error answer of the admin API (never escapes as a 500)."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str | None = None,
+        hint: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = int(status_code)
+        self.message = _truncate(message)
+        self.type = type or _default_type(self.status_code)
+        self.hint = hint
+        self.headers = dict(headers or {})
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "code": self.status_code,
+            "hint": self.hint,
+        }
+        error.update(self.extra)
+        return {"error": error}
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(
+            self.body(), status_code=self.status_code, headers=self.headers or None
+        )
+
+
+def _default_type(status_code: int) -> str:
+    try:
+        return HTTPStatus(status_code).phrase.replace(" ", "")
+    except ValueError:
+        return "Error"
+
+
+def _truncate(text: str) -> str:
+    text = str(text)
+    if len(text) > MAX_MESSAGE_CHARS:
+        return text[: MAX_MESSAGE_CHARS - 3] + "..."
+    return text
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not s for s in seen):
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text if text else type(exc).__name__
+
+
+def is_engine_half_missing(exc: BaseException) -> bool:
+    """True when the failure means the worker does not know the method."""
+    for e in _exception_chain(exc):
+        if isinstance(e, NotImplementedError):
+            return True
+        if isinstance(e, AttributeError) and "'my_pkg_" in str(e):
+            return True
+        if _NOT_IMPLEMENTED_RE.search(str(e)):
+            return True
+    return False
+
+
+def is_timeout(exc: BaseException) -> bool:
+    for e in _exception_chain(exc):
+        if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+            return True
+        if _TIMEOUT_RE.search(str(e)):
+            return True
+    return False
+
+
+def _is_engine_dead(exc: BaseException) -> bool:
+    # vllm.v1.engine.exceptions.EngineDeadError, matched by name so that this
+    # module does not import vLLM.
+    return any(type(e).__name__ == "EngineDeadError" for e in _exception_chain(exc))
+
+
+def engine_half_missing_error(method: str, detail: str | None = None) -> AdminAPIError:
+    cause, message, hint = diagnose_engine_half()
+    return AdminAPIError(
+        503,
+        message,
+        type="engine_plugin_missing",
+        hint=hint,
+        cause=cause,
+        method=method,
+        detail=_truncate(detail) if detail else None,
+    )
+
+
+def classify_rpc_error(
+    exc: BaseException, method: str, timeout_s: float
+) -> AdminAPIError:
+    """Turn a failure of ``collective_rpc(method)`` into an API error."""
+    if isinstance(exc, AdminAPIError):
+        return exc
+    if is_timeout(exc):
+        return AdminAPIError(
+            504,
+            f"Worker RPC {method} did not complete within {timeout_s:g} s.",
+            type="timeout_error",
+            hint=(
+                "The workers may be busy or stuck; check the server log. "
+                f"Raise {ENV_RPC_TIMEOUT} if the workers are merely slow."
+            ),
+            method=method,
+        )
+    if is_engine_half_missing(exc):
+        return engine_half_missing_error(method, _describe(exc))
+    if _is_engine_dead(exc):
+        return AdminAPIError(
+            503,
+            f"The engine is not running ({_describe(exc)}).",
+            type="engine_dead",
+            hint="See the server log for the root cause; restart the server.",
+            method=method,
+        )
+    return AdminAPIError(
+        503,
+        f"Worker RPC {method} failed: {_describe(exc)}",
+        type="worker_error",
+        hint="See the server log for the worker's stack trace.",
+        method=method,
+    )

@@ -1,0 +1,326 @@
+"""The admin API routes (all under ``/plugins/my_pkg``)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from my_pkg import PLUGIN_NAME, __version__
+from my_pkg.endpoints.auth import require_admin_auth
+from my_pkg.endpoints.client import (
+    AdminHandler,
+    no_engine_error,
+    not_initialised_error,
+)
+from my_pkg.endpoints.config import (
+    CONFIG_SECTIONS,
+    ROUTE_PREFIX,
+    STATE_ATTR,
+    logger,
+)
+from my_pkg.endpoints.errors import AdminAPIError
+from my_pkg.endpoints.metrics import CONTENT_TYPE, render_metrics
+from my_pkg.endpoints.models import (
+    ConfigResponse,
+    ErrorResponse,
+    FlashHeadStatus,
+    FlashHeadStatusResponse,
+    FlashHeadUpdate,
+    FlashHeadUpdateResponse,
+    HealthResponse,
+    PingReply,
+    ValidationReply,
+    WorkerConfig,
+    WorkerInfo,
+    WorkersResponse,
+)
+
+MAX_REPORTED_VALIDATION_ERRORS = 10
+
+
+def _error_doc(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+COMMON_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: _error_doc("Missing or invalid bearer token (a token is configured)."),
+    403: _error_doc("Mutating route while no admin token is configured."),
+    503: _error_doc(
+        "No engine, engine half of the plugin not loaded, or a worker failed."
+    ),
+    504: _error_doc("The workers did not answer within MY_PKG_RPC_TIMEOUT."),
+}
+
+
+class AdminRoute(APIRoute):
+    """Route class of the plugin's router: turns every failure of a route
+    (auth, validation, worker RPC, unexpected bug) into a JSON error body, so
+    that none of our routes answers 500 and the format does not depend on the
+    exception handlers the hosting app installs."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        inner = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            try:
+                return await inner(request)
+            except AdminAPIError as exc:
+                return exc.to_response()
+            except RequestValidationError as exc:
+                # FastAPI decodes a JSON body before it runs the dependencies,
+                # so a malformed body can fail before the auth check ran:
+                # authentication still decides first.
+                try:
+                    await require_admin_auth(request)
+                except AdminAPIError as auth_error:
+                    return auth_error.to_response()
+                return validation_error(exc).to_response()
+            except (HTTPException, StarletteHTTPException) as exc:
+                return AdminAPIError(
+                    exc.status_code,
+                    str(exc.detail),
+                    headers=dict(exc.headers or {}),
+                ).to_response()
+            except Exception as exc:  # noqa: BLE001 - never a 500
+                logger.exception(
+                    "Unexpected error in %s %s", request.method, request.url.path
+                )
+                return AdminAPIError(
+                    503,
+                    f"The {PLUGIN_NAME} admin plugin failed: {type(exc).__name__}: {exc}",
+                    type="plugin_error",
+                    hint="See the server log for the stack trace.",
+                ).to_response()
+
+        return handler
+
+
+def validation_error(exc: RequestValidationError) -> AdminAPIError:
+    details = []
+    raw = exc.errors()
+    for err in list(raw)[:MAX_REPORTED_VALIDATION_ERRORS]:
+        loc = [str(p) for p in err.get("loc", ())]
+        details.append({"loc": loc, "msg": str(err.get("msg", "")), "type": err.get("type")})
+
+    def describe(d: dict[str, Any]) -> str:
+        if d["type"] == "json_invalid":
+            return "the request body is not valid JSON"
+        where = d["loc"][1:] if d["loc"][:1] == ["body"] else d["loc"]
+        return f"{'.'.join(where) or 'body'}: {d['msg']}"
+
+    summary = "; ".join(describe(d) for d in details)
+    return AdminAPIError(
+        422,
+        f"Invalid request: {summary}" if summary else "Invalid request.",
+        type="invalid_request_error",
+        hint=(
+            "Send a JSON object with at least one of 'enabled' (bool), "
+            "'n_probes' (int >= 1), 'dense_batch_threshold' (int >= 0); "
+            "no other fields."
+        ),
+        errors=details,
+    )
+
+
+def get_handler(request: Request) -> AdminHandler:
+    """The plugin state stored by ``init_state``; 503 when unusable."""
+    handler = getattr(request.app.state, STATE_ATTR, None)
+    if not isinstance(handler, AdminHandler):
+        raise not_initialised_error()
+    if not handler.has_engine:
+        raise no_engine_error()
+    return handler
+
+
+def build_router() -> APIRouter:
+    """A fresh router holding every route of the plugin.
+
+    Authentication is a dependency of the router itself, so it runs for every
+    route declared on it, whatever the path or method.
+    """
+    router = APIRouter(
+        prefix=ROUTE_PREFIX,
+        tags=[f"{PLUGIN_NAME} admin"],
+        dependencies=[Depends(require_admin_auth)],
+        route_class=AdminRoute,
+        responses=COMMON_ERROR_RESPONSES,
+    )
+
+    @router.get(
+        "/health",
+        response_model=HealthResponse,
+        summary="Both halves of my_pkg loaded, same version, all workers answering",
+    )
+    async def health(request: Request) -> HealthResponse:
+        handler = get_handler(request)
+        # A missing engine half surfaces as a 503 "engine_plugin_missing"
+        # whose cause/hint come from diagnose_engine_half().
+        pings = await handler.call_parsed("my_pkg_ping", PingReply)
+        bad = [
+            {"rank": p.rank, "plugin": p.plugin, "version": p.version}
+            for p in pings
+            if p.plugin != PLUGIN_NAME or p.version != __version__
+        ]
+        if bad:
+            raise AdminAPIError(
+                503,
+                f"Version mismatch between the halves of {PLUGIN_NAME}: the API "
+                f"server runs {__version__}, "
+                + ", ".join(f"rank {b['rank']} runs {b['plugin']} {b['version']}" for b in bad)
+                + ".",
+                type="version_mismatch",
+                hint=(
+                    f"Install {PLUGIN_NAME}=={__version__} (one version) in the "
+                    "API server's and the workers' environments, then restart."
+                ),
+                cause="version_mismatch",
+                endpoint_version=__version__,
+                workers=bad,
+            )
+        return HealthResponse(
+            plugin=PLUGIN_NAME, version=__version__, num_workers=len(pings), workers=pings
+        )
+
+    @router.get(
+        "/workers", response_model=WorkersResponse, summary="Per-worker information"
+    )
+    async def workers(request: Request) -> WorkersResponse:
+        handler = get_handler(request)
+        infos = await handler.call_parsed("my_pkg_worker_info", WorkerInfo)
+        return WorkersResponse(num_workers=len(infos), workers=infos)
+
+    @router.get(
+        "/config/{section}",
+        response_model=ConfigResponse,
+        responses={404: _error_doc("Unknown section (the body lists the valid ones).")},
+        summary="One section of the engine configuration, per worker",
+    )
+    async def config(section: str, request: Request) -> ConfigResponse:
+        if section not in CONFIG_SECTIONS:
+            raise AdminAPIError(
+                404,
+                f"Unknown config section {section!r}.",
+                type="not_found_error",
+                hint="Use one of: " + ", ".join(CONFIG_SECTIONS) + ".",
+                valid_sections=list(CONFIG_SECTIONS),
+            )
+        handler = get_handler(request)
+        configs = await handler.call_parsed("my_pkg_config", WorkerConfig, section)
+        return ConfigResponse(section=section, num_workers=len(configs), workers=configs)
+
+    @router.get(
+        "/flashhead",
+        response_model=FlashHeadStatusResponse,
+        summary="FlashHead status and counters, per worker",
+    )
+    async def flashhead_status(request: Request) -> FlashHeadStatusResponse:
+        handler = get_handler(request)
+        statuses = await handler.call_parsed("my_pkg_flashhead_status", FlashHeadStatus)
+        return FlashHeadStatusResponse(num_workers=len(statuses), workers=statuses)
+
+    @router.put(
+        "/flashhead",
+        response_model=FlashHeadUpdateResponse,
+        responses={
+            409: _error_doc("FlashHead is not available on this model."),
+            422: _error_doc(
+                "Invalid body, or the update was rejected by a worker "
+                "(nothing applied)."
+            ),
+        },
+        summary="Change FlashHead settings on all workers, or on none",
+    )
+    async def flashhead_update(
+        body: FlashHeadUpdate, request: Request
+    ) -> FlashHeadUpdateResponse:
+        handler = get_handler(request)
+        update = body.to_update()
+        async with handler.update_lock:
+            checks = await handler.call_parsed(
+                "my_pkg_flashhead_validate", ValidationReply, update
+            )
+            failing = [
+                {"rank": c.rank, "errors": list(c.errors)} for c in checks if c.errors
+            ]
+            if failing:
+                raise await _rejected(handler, update, failing)
+            try:
+                statuses = await handler.call_parsed(
+                    "my_pkg_flashhead_apply", FlashHeadStatus, update
+                )
+            except AdminAPIError as exc:
+                logger.error(
+                    "FlashHead update %s passed validation but applying it failed; "
+                    "workers may now differ: %s",
+                    update,
+                    exc.message,
+                )
+                exc.extra["note"] = (
+                    "Validation passed on every worker but applying failed; the "
+                    "workers may now differ. Check GET "
+                    f"{ROUTE_PREFIX}/flashhead and retry."
+                )
+                raise
+        logger.info("FlashHead update applied on %d worker(s): %s", len(statuses), update)
+        return FlashHeadUpdateResponse(
+            applied=update, num_workers=len(statuses), workers=statuses
+        )
+
+    @router.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text exposition format 0.0.4.",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+        summary="FlashHead counters in Prometheus text format, labelled by rank",
+    )
+    async def metrics(request: Request) -> Response:
+        handler = get_handler(request)
+        statuses = await handler.call_parsed("my_pkg_flashhead_status", FlashHeadStatus)
+        return Response(render_metrics(statuses), media_type=CONTENT_TYPE)
+
+    return router
+
+
+async def _rejected(
+    handler: AdminHandler, update: dict[str, Any], failing: list[dict[str, Any]]
+) -> AdminAPIError:
+    """The error for an update that some worker refused (nothing applied)."""
+    available: bool | None = None
+    try:
+        statuses = await handler.call_parsed("my_pkg_flashhead_status", FlashHeadStatus)
+        available = all(s.available for s in statuses)
+    except AdminAPIError:
+        available = None  # cannot tell; report the plain rejection
+    if available is False:
+        return AdminAPIError(
+            409,
+            "FlashHead is not available on this model; nothing was applied.",
+            type="flashhead_unavailable",
+            hint=(
+                "FlashHead needs a model with FlashHead assets; see the 'reason' "
+                f"field of GET {ROUTE_PREFIX}/flashhead."
+            ),
+            update=update,
+            errors=failing,
+        )
+    return AdminAPIError(
+        422,
+        f"FlashHead update rejected by {len(failing)} worker(s); nothing was applied.",
+        type="invalid_update",
+        hint="Fix the values reported per rank and retry.",
+        update=update,
+        errors=failing,
+    )
+
+
+__all__ = ["AdminRoute", "build_router", "get_handler"]

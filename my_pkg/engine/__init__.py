@@ -1,0 +1,45 @@
+"""Engine half of my_pkg (`vllm.general_plugins` entry point `my_pkg_engine`).
+
+vLLM calls `register()` in every process it starts (API server, engine core,
+each worker), possibly several times. It is idempotent, imports vLLM only
+inside the patches, never raises, and with `MY_PKG_DISABLE=1` changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import import_module
+
+from my_pkg.engine.env import plugin_disabled
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+# Applied in order; each is independent, so one that fails leaves the others in place.
+PATCHES = ("worker", "model_registry", "logits_processor")
+
+_applied: dict[str, bool] = {}
+
+
+def register() -> None:
+    """Apply every patch once per process; log one warning per patch that cannot apply."""
+    if _applied or plugin_disabled():
+        if not _applied and plugin_disabled():
+            logger.info("my_pkg: MY_PKG_DISABLE is set; vLLM left untouched")
+            _applied["disabled"] = False
+        return
+    for name in PATCHES:
+        module = import_module(f"my_pkg.engine.patches.{name}")
+        try:
+            module.apply()
+            _applied[name] = True
+        except Exception as exc:  # noqa: BLE001 - a moved vLLM internal must not break vLLM
+            _applied[name] = False
+            logger.warning(
+                "my_pkg: could not patch %s (%s: %s); that part of the plugin is off and vLLM is unchanged there",
+                module.TARGET, type(exc).__name__, exc,
+            )
+
+
+def applied_patches() -> dict[str, bool]:
+    """Which patches this process applied (for diagnostics)."""
+    return dict(_applied)

@@ -1,0 +1,472 @@
+"""Per-model FlashHead state inside one worker: settings, counters, the head itself.
+
+One `FlashHeadController` hangs off the logits processor of a model that ships
+FlashHead assets (see `patches/logits_processor.py`); the worker methods in
+`rpc.py` find it through the model, so two engines in one process never share
+state. This module imports torch and numpy only; vLLM objects reach it as
+plain arguments.
+
+A decode step walks through `compute_logits`: the model runner announces the
+rows of the step (`StepRows`: which rows must stay dense and why, which rows
+are sampled); every row that may use FlashHead gets its candidates' exact
+logits and -inf elsewhere, so vLLM's own sampler (temperature, top-k/p, min-p,
+penalties) runs unchanged on them; rows that asked for logprobs, a grammar,
+a logit bias, allowed or bad words get exact dense logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from my_pkg.engine.env import env_flag, env_int
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+# Why a row is served by the dense head. Codes index this tuple; 0 means "FlashHead ok".
+REQUEST_DENSE_REASONS = (
+    "logprobs",
+    "prompt_logprobs",
+    "structured_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "custom_logits_processors",
+)
+_REASON_BY_CODE = ("",) + REQUEST_DENSE_REASONS
+DENSE_CODE = {name: code for code, name in enumerate(_REASON_BY_CODE) if name}
+
+DEFAULT_DENSE_BATCH_THRESHOLD_CPU = 64
+DEFAULT_DENSE_BATCH_THRESHOLD_GPU = 64
+UPDATE_FIELDS = ("enabled", "n_probes", "dense_batch_threshold")
+
+
+def request_dense_reason(sampling_params: Any) -> str | None:
+    """The reason a request needs exact dense logits, or None when FlashHead may serve it."""
+    if sampling_params is None:
+        return None
+    if getattr(sampling_params, "logprobs", None) is not None:
+        return "logprobs"
+    if getattr(sampling_params, "prompt_logprobs", None) is not None:
+        return "prompt_logprobs"
+    if getattr(sampling_params, "structured_outputs", None) is not None:
+        return "structured_output"
+    if getattr(sampling_params, "logit_bias", None):
+        return "logit_bias"
+    if getattr(sampling_params, "allowed_token_ids", None):
+        return "allowed_token_ids"
+    if getattr(sampling_params, "bad_words", None) or getattr(
+        sampling_params, "_bad_words_token_ids", None
+    ):
+        return "bad_words"
+    return None
+
+
+@dataclass
+class StepRows:
+    """What the model runner knows about the rows of one decode step."""
+
+    dense_codes: np.ndarray  # uint8 [rows], 0 = FlashHead may serve the row
+    sampled: np.ndarray  # bool [rows], True for rows that sample (temperature > 0)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.dense_codes.shape[0])
+
+
+@dataclass
+class FlashHeadSettings:
+    enabled: bool
+    n_probes: int
+    dense_batch_threshold: int
+    probe_sampling: bool
+    backend: str
+
+
+@dataclass
+class FlashHeadCounters:
+    steps: int = 0
+    rows_flashhead: int = 0
+    rows_dense: Counter = field(default_factory=Counter)
+    fallbacks: int = 0
+    head_seconds: float = 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "rows_flashhead": self.rows_flashhead,
+            "rows_dense": dict(sorted(self.rows_dense.items())),
+            "fallbacks": self.fallbacks,
+            "head_seconds": round(self.head_seconds, 6),
+        }
+
+
+class _HeadTimer:
+    """Accumulates time spent in the head without a host sync on GPU.
+
+    CPU steps are timed with perf_counter; CUDA steps record events whose
+    elapsed time is collected once they have completed.
+    """
+
+    def __init__(self, counters: FlashHeadCounters) -> None:
+        self._counters = counters
+        self._pending: list[tuple[Any, Any]] = []
+
+    def start(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, token: Any) -> None:
+        if isinstance(token, float):
+            self._counters.head_seconds += time.perf_counter() - token
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((token, end))
+        self.collect(block=False)
+
+    def collect(self, block: bool) -> None:
+        while self._pending:
+            start, end = self._pending[0]
+            if not block and not end.query():
+                return
+            end.synchronize()
+            self._counters.head_seconds += start.elapsed_time(end) / 1000.0
+            self._pending.pop(0)
+
+
+def default_settings(config: dict[str, Any], num_clusters: int | None, device_type: str) -> FlashHeadSettings:
+    """Settings at start-up: environment overrides config.json, which overrides defaults."""
+    configured_probes = config.get("n_probes")
+    fallback_probes = max(1, (num_clusters or 16) // 16)
+    n_probes = env_int("MY_PKG_FLASHHEAD_N_PROBES", None, minimum=1)
+    if n_probes is None:
+        n_probes = int(configured_probes) if isinstance(configured_probes, int) and configured_probes > 0 else fallback_probes
+    if num_clusters is not None and n_probes > num_clusters:
+        logger.warning("my_pkg: n_probes=%d exceeds %d clusters; using %d", n_probes, num_clusters, num_clusters)
+        n_probes = num_clusters
+    default_threshold = (
+        DEFAULT_DENSE_BATCH_THRESHOLD_GPU if device_type == "cuda" else DEFAULT_DENSE_BATCH_THRESHOLD_CPU
+    )
+    return FlashHeadSettings(
+        enabled=env_flag("MY_PKG_FLASHHEAD", True),
+        n_probes=n_probes,
+        dense_batch_threshold=env_int("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", default_threshold, minimum=0),
+        probe_sampling=env_flag("MY_PKG_FLASHHEAD_PROBE_SAMPLING", True),
+        backend=_backend_from_env(),
+    )
+
+
+def _backend_from_env() -> str:
+    import os
+
+    backend = os.environ.get("MY_PKG_FLASHHEAD_BACKEND", "auto").strip().lower() or "auto"
+    if backend not in ("auto", "torch", "triton"):
+        logger.warning("my_pkg: ignoring MY_PKG_FLASHHEAD_BACKEND=%r; using auto", backend)
+        return "auto"
+    return backend
+
+
+class FlashHeadController:
+    """FlashHead for one model in one worker.
+
+    Built in two steps: `__init__` reads the assets (small: centroids and the
+    cluster map) while the model is constructed; `bind()` attaches them to the
+    head weight vLLM loaded, on the first logits call, without copying it.
+    """
+
+    def __init__(
+        self,
+        *,
+        centroids: torch.Tensor | None,
+        assignments: torch.Tensor | None,
+        config: dict[str, Any],
+        vocab_size: int,
+        device_type: str,
+        unavailable_reason: str | None = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.counters = FlashHeadCounters()
+        self._timer = _HeadTimer(self.counters)
+        self._step_source: Callable[[], StepRows | None] | None = None
+        self._warned: set[str] = set()
+        self.head: Any = None
+        self._centroids = centroids
+        self._assignments = assignments
+        self.unavailable_reason = unavailable_reason
+        if unavailable_reason is None and (centroids is None or assignments is None):
+            self.unavailable_reason = "no FlashHead assets"
+        if self.unavailable_reason is None and int(assignments.shape[0]) != vocab_size:
+            self.unavailable_reason = (
+                f"FlashHead assets do not match the model: cluster_assignments covers "
+                f"{assignments.shape[0]} tokens, the vocabulary has {vocab_size}"
+            )
+        num_clusters = int(centroids.shape[0]) if centroids is not None else None
+        self.settings = default_settings(config, num_clusters, device_type)
+        if self.unavailable_reason is not None:
+            self._centroids = self._assignments = None
+            logger.warning("my_pkg: FlashHead not active, dense head in use: %s", self.unavailable_reason)
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | None, config: dict[str, Any], *, vocab_size: int, device_type: str,
+        unavailable_reason: str | None = None,
+    ) -> "FlashHeadController":
+        """Read the assets named by config.json; a failure leaves the controller unavailable."""
+        centroids = assignments = None
+        if unavailable_reason is None:
+            try:
+                from my_pkg.flashhead.assets import load_assets
+
+                if model_dir is None:
+                    raise FileNotFoundError("the model directory could not be resolved")
+                centroids, assignments = load_assets(Path(model_dir), config)
+            except Exception as exc:  # noqa: BLE001 - bad assets mean dense, never a crash
+                unavailable_reason = f"FlashHead assets could not be loaded: {exc}"
+        return cls(
+            centroids=centroids, assignments=assignments, config=config, vocab_size=vocab_size,
+            device_type=device_type, unavailable_reason=unavailable_reason,
+        )
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable_reason is None
+
+    def bind(self, weight: torch.Tensor) -> None:
+        """Build the head over `weight` (the loaded LM head, shared, not copied)."""
+        if self.head is not None or not self.available:
+            return
+        from my_pkg.flashhead.head import FlashHead
+
+        assert self._centroids is not None and self._assignments is not None
+        try:
+            if weight.shape[1] != self._centroids.shape[1]:
+                raise ValueError(
+                    f"centroids have hidden size {self._centroids.shape[1]}, "
+                    f"the head has {weight.shape[1]}"
+                )
+            self.head = FlashHead(
+                weight,
+                self._centroids.to(device=weight.device, dtype=weight.dtype),
+                self._assignments.to(device=weight.device),
+                vocab_size=self.vocab_size,
+                n_probes=self.settings.n_probes,
+                backend=self.settings.backend,
+            )
+        except Exception as exc:  # noqa: BLE001
+            self.unavailable_reason = f"FlashHead could not be built: {exc}"
+            logger.warning("my_pkg: FlashHead not active, dense head in use: %s", self.unavailable_reason)
+        finally:
+            self._centroids = self._assignments = None
+        if self.head is not None:
+            logger.info(
+                "my_pkg: FlashHead active: %d clusters of %d, n_probes=%d, backend=%s, "
+                "extra memory %.1f MiB",
+                self.head.num_clusters, self.head.cluster_size, self.head.n_probes,
+                self.head.backend, self.head.extra_memory_bytes / 2**20,
+            )
+
+    def make_unavailable(self, reason: str) -> None:
+        if self.unavailable_reason is None:
+            self.unavailable_reason = reason
+            logger.warning("my_pkg: FlashHead not active, dense head in use: %s", reason)
+
+    # ---- one decode step -------------------------------------------------------------------
+
+    def arm(self, source: Callable[[], StepRows | None]) -> None:
+        """Announce that the next logits call is a decode step whose rows `source` describes."""
+        self._step_source = source
+
+    def disarm(self) -> None:
+        self._step_source = None
+
+    def take_step(self) -> StepRows | None:
+        """The rows of the armed step, once; None for any other logits call."""
+        source, self._step_source = self._step_source, None
+        return source() if source is not None else None
+
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,
+        rows: StepRows,
+        dense: Callable[[torch.Tensor], torch.Tensor],
+        postprocess: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Logits `[rows, vocab]` for one decode step.
+
+        `dense` computes vLLM's own logits for some rows; `postprocess` applies
+        the model's logit scale/soft-cap to candidate logits.
+        """
+        num_rows = hidden.shape[0]
+        self.counters.steps += 1
+        if rows.num_rows != num_rows:
+            return self._all_dense(hidden, dense, "unexpected_rows")
+        if not self.settings.enabled:
+            return self._all_dense(hidden, dense, "disabled")
+        if self.head is None:
+            return self._all_dense(hidden, dense, "unavailable")
+        if num_rows > self.settings.dense_batch_threshold:
+            return self._all_dense(hidden, dense, "batch_threshold")
+        dense_rows = np.flatnonzero(rows.dense_codes)
+        if dense_rows.size:
+            reasons = np.bincount(rows.dense_codes[dense_rows], minlength=len(_REASON_BY_CODE))
+            for code in np.flatnonzero(reasons):
+                self.counters.rows_dense[_REASON_BY_CODE[code]] += int(reasons[code])
+        if dense_rows.size == num_rows:
+            return dense(hidden)
+
+        token = self._timer.start(hidden.device)
+        sample_rows = None
+        if self.settings.probe_sampling and rows.sampled.any():
+            sample_rows = torch.from_numpy(rows.sampled).to(hidden.device, non_blocking=True)
+        token_ids, candidate_logits = self.head.candidate_logits(hidden, sample_rows=sample_rows)
+        candidate_logits = postprocess(candidate_logits)
+        logits = torch.full(
+            (num_rows, self.vocab_size), float("-inf"), dtype=candidate_logits.dtype, device=hidden.device
+        )
+        logits.scatter_(1, token_ids, candidate_logits)
+        self._timer.stop(token)
+        if dense_rows.size:
+            index = torch.from_numpy(dense_rows).to(hidden.device, non_blocking=True)
+            logits[index] = dense(hidden[index]).to(logits.dtype)
+        self.counters.rows_flashhead += num_rows - int(dense_rows.size)
+        return logits
+
+    def _all_dense(self, hidden: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor], reason: str) -> torch.Tensor:
+        self.counters.rows_dense[reason] += hidden.shape[0]
+        return dense(hidden)
+
+    def record_fallback(self, exc: BaseException, num_rows: int) -> None:
+        """Count a step that failed inside FlashHead and went dense; log each kind once."""
+        self.counters.fallbacks += 1
+        self.counters.rows_dense["error"] += num_rows
+        key = f"{type(exc).__name__}: {exc}"
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("my_pkg: FlashHead step failed, served dense instead (%s)", key, exc_info=exc)
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        self._timer.collect(block=True)
+        head = self.head
+        active = head is not None and self.settings.enabled
+        if active:
+            reason = None
+        elif not self.available:
+            reason = self.unavailable_reason
+        elif not self.settings.enabled:
+            reason = "disabled (MY_PKG_FLASHHEAD=0 or PUT enabled=false)"
+        else:
+            reason = "not built yet (built on the first decode step)"
+        return {
+            "available": self.available,
+            "active": active,
+            "reason": reason,
+            "enabled": self.settings.enabled,
+            "num_clusters": head.num_clusters if head is not None else None,
+            "cluster_size": head.cluster_size if head is not None else None,
+            "vocab_size": self.vocab_size,
+            "n_probes": self.settings.n_probes,
+            "dense_batch_threshold": self.settings.dense_batch_threshold,
+            "probe_sampling": self.settings.probe_sampling,
+            "backend": head.backend if head is not None else None,
+            "extra_memory_bytes": head.extra_memory_bytes if head is not None else None,
+            "counters": self.counters.snapshot(),
+        }
+
+    def validate(self, update: dict[str, Any]) -> list[str]:
+        errors = [f"unknown field {name!r}" for name in update if name not in UPDATE_FIELDS]
+        if not self.available:
+            errors.append(f"FlashHead is not available on this model: {self.unavailable_reason}")
+            return errors
+        if "enabled" in update and not isinstance(update["enabled"], bool):
+            errors.append("enabled must be true or false")
+        if "n_probes" in update:
+            n_probes = update["n_probes"]
+            limit = self.head.num_clusters if self.head is not None else None
+            if not isinstance(n_probes, int) or isinstance(n_probes, bool) or n_probes < 1:
+                errors.append("n_probes must be an integer >= 1")
+            elif limit is not None and n_probes > limit:
+                errors.append(f"n_probes must be <= the number of clusters ({limit})")
+            elif limit is None:
+                errors.append("n_probes cannot be changed before the head is built (send one request first)")
+        if "dense_batch_threshold" in update:
+            threshold = update["dense_batch_threshold"]
+            if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+                errors.append("dense_batch_threshold must be an integer >= 0")
+        return errors
+
+    def apply(self, update: dict[str, Any]) -> None:
+        """Apply an update that `validate` accepted; effective from the next step."""
+        for name in UPDATE_FIELDS:
+            if name in update:
+                setattr(self.settings, name, update[name])
+        if "n_probes" in update and self.head is not None:
+            self.head.n_probes = update["n_probes"]
+        logger.info("my_pkg: FlashHead settings now %s", asdict(self.settings))
+
+
+def status_without_controller() -> dict[str, Any]:
+    """Status of a worker whose model has no FlashHead assets."""
+    return {
+        "available": False,
+        "active": False,
+        "reason": "the model has no FlashHead assets (no flash_head_cache_dir in config.json)",
+        "enabled": False,
+        "num_clusters": None,
+        "cluster_size": None,
+        "vocab_size": None,
+        "n_probes": None,
+        "dense_batch_threshold": None,
+        "probe_sampling": None,
+        "backend": None,
+        "extra_memory_bytes": None,
+        "counters": FlashHeadCounters().snapshot(),
+    }
+
+
+def validate_without_controller() -> list[str]:
+    return [status_without_controller()["reason"]]
+
+
+_NOT_FOUND = object()
+
+
+def controller_of_runner(runner: Any) -> FlashHeadController | None:
+    """The controller of the model `runner` runs; looked up once the model is loaded."""
+    cached = runner.__dict__.get("_my_pkg_flashhead", _NOT_FOUND)
+    if cached is not _NOT_FOUND:
+        return cached
+    if runner.__dict__.get("model") is None:
+        return None
+    get_model = getattr(runner, "get_model", None)
+    model = get_model() if callable(get_model) else runner.model  # unwraps CUDA-graph wrappers
+    found = None
+    for module in model.modules():
+        controller = getattr(module, "_my_pkg_flashhead", None)
+        if isinstance(controller, FlashHeadController):
+            found = controller
+            break
+    runner._my_pkg_flashhead = found
+    return found
+
+
+def find_controller(worker: Any) -> FlashHeadController | None:
+    """The FlashHead controller of the model this worker runs, if any."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return None
+    return controller_of_runner(runner)

@@ -1,0 +1,41 @@
+"""Register the `FlashHead*` architectures with vLLM's `ModelRegistry`.
+
+A FlashHead checkpoint names `FlashHead<Base>` in config.json `architectures`;
+each maps to vLLM's own class for `<Base>`, so vLLM refuses such a model
+without this plugin and a standard model is never touched.
+"""
+
+from __future__ import annotations
+
+TARGET = "vllm.ModelRegistry"
+PREFIX = "FlashHead"
+BASE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "GemmaForCausalLM",
+    "Phi3ForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+)
+
+
+def flashhead_architectures(supported: set[str]) -> dict[str, str]:
+    """`FlashHead<Base>` → `<Base>` for every base architecture this vLLM supports."""
+    return {PREFIX + base: base for base in BASE_ARCHITECTURES if base in supported}
+
+
+def apply() -> None:
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.registry import _LazyRegisteredModel
+
+    registered = ModelRegistry.models
+    for flash_name, base in flashhead_architectures(set(registered)).items():
+        entry = registered[base]
+        if not isinstance(entry, _LazyRegisteredModel):
+            raise RuntimeError(f"{base} is not a lazily registered vLLM model")
+        ModelRegistry.register_model(flash_name, f"{entry.module_name}:{entry.class_name}")

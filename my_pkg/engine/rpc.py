@@ -1,0 +1,175 @@
+"""Worker methods reached through `engine_client.collective_rpc("my_pkg_...")`.
+
+Each function here is attached to vLLM's `WorkerBase` by
+`patches/worker.py`, so `self` is the worker (CPU, GPU or any other type) and
+every rank answers. Results are plain JSON-safe values: no worker object, tensor
+or config object ever leaves the worker.
+
+Contract (also relied on by `my_pkg.endpoints`):
+- `my_pkg_ping()`
+- `my_pkg_worker_info()`
+- `my_pkg_config(section)` for `section` in `CONFIG_SECTIONS`
+- `my_pkg_flashhead_status()`, `my_pkg_flashhead_validate(update)`,
+  `my_pkg_flashhead_apply(update)`
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from my_pkg import PLUGIN_NAME, __version__
+from my_pkg.engine.jsonable import to_jsonable
+
+CONFIG_SECTIONS = {
+    "scheduler": "scheduler_config",
+    "model": "model_config",
+    "cache": "cache_config",
+    "parallel": "parallel_config",
+}
+
+
+def _rank(worker: Any) -> int:
+    return int(getattr(worker, "rank", 0) or 0)
+
+
+def my_pkg_ping(self: Any) -> dict[str, Any]:
+    """Cheapest proof that the engine half is loaded in this worker."""
+    return {"plugin": PLUGIN_NAME, "version": __version__, "rank": _rank(self), "pid": os.getpid()}
+
+
+def _process_rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as statm:
+            resident_pages = int(statm.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kv_cache_bytes(worker: Any) -> int | None:
+    runner = getattr(worker, "model_runner", None)
+    caches = getattr(runner, "kv_caches", None)
+    if not caches:
+        return None
+    total = 0
+    for cache in caches:
+        tensors = cache if isinstance(cache, (list, tuple)) else [cache]
+        for tensor in tensors:
+            if hasattr(tensor, "untyped_storage"):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _device_memory(device: Any) -> tuple[int | None, int | None]:
+    import torch
+
+    if device is None or getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
+        return None, None
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+
+def my_pkg_worker_info(self: Any) -> dict[str, Any]:
+    """Identity, versions, memory and model/KV-cache shape of this worker."""
+    import torch
+
+    try:
+        import vllm
+
+        vllm_version = getattr(vllm, "__version__", None)
+    except ImportError:  # pragma: no cover - the method only runs inside vLLM
+        vllm_version = None
+    model_config = getattr(self, "model_config", None)
+    cache_config = getattr(self, "cache_config", None)
+    parallel_config = getattr(self, "parallel_config", None)
+    device = getattr(self, "device", None)
+    allocated, reserved = _device_memory(device)
+    num_blocks = getattr(cache_config, "num_gpu_blocks", None)
+    return {
+        "rank": _rank(self),
+        "local_rank": int(getattr(self, "local_rank", 0) or 0),
+        "world_size": int(getattr(parallel_config, "world_size", 1) or 1),
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),
+        "device": str(device) if device is not None else None,
+        "plugin_version": __version__,
+        "torch_version": torch.__version__,
+        "vllm_version": vllm_version,
+        "memory": {
+            "device_allocated_bytes": allocated,
+            "device_reserved_bytes": reserved,
+            "process_rss_bytes": _process_rss_bytes(),
+            "kv_cache_bytes": _kv_cache_bytes(self),
+        },
+        "model": {
+            "name": str(getattr(model_config, "served_model_name", None)
+                        or getattr(model_config, "model", "")),
+            "path": str(getattr(model_config, "model", "")),
+            "dtype": str(getattr(model_config, "dtype", "")).removeprefix("torch."),
+            "max_model_len": getattr(model_config, "max_model_len", None),
+        },
+        "kv_cache": {
+            "block_size": getattr(cache_config, "block_size", None),
+            "num_blocks": int(num_blocks) if num_blocks is not None else None,
+        },
+    }
+
+
+def my_pkg_config(self: Any, section: str) -> dict[str, Any]:
+    """One vLLM config section of this worker as JSON-safe data."""
+    if section not in CONFIG_SECTIONS:
+        raise ValueError(
+            f"unknown config section {section!r}; valid: {', '.join(CONFIG_SECTIONS)}"
+        )
+    config = getattr(self, CONFIG_SECTIONS[section], None)
+    return {"rank": _rank(self), "section": section, "config": to_jsonable(config)}
+
+
+def _controller(worker: Any):
+    from my_pkg.engine.flashhead_control import find_controller
+
+    return find_controller(worker)
+
+
+def my_pkg_flashhead_status(self: Any) -> dict[str, Any]:
+    """FlashHead state and counters of this worker."""
+    from my_pkg.engine.flashhead_control import status_without_controller
+
+    controller = _controller(self)
+    status = controller.status() if controller is not None else status_without_controller()
+    return {"rank": _rank(self), "pid": os.getpid(), **status}
+
+
+def my_pkg_flashhead_validate(self: Any, update: dict[str, Any]) -> dict[str, Any]:
+    """Errors `update` would cause on this worker (empty when it can be applied)."""
+    from my_pkg.engine.flashhead_control import validate_without_controller
+
+    controller = _controller(self)
+    errors = controller.validate(update) if controller is not None else validate_without_controller()
+    return {"rank": _rank(self), "errors": errors}
+
+
+def my_pkg_flashhead_apply(self: Any, update: dict[str, Any]) -> dict[str, Any]:
+    """Apply a validated `update`; it takes effect from the next decode step."""
+    controller = _controller(self)
+    if controller is None:
+        raise RuntimeError("FlashHead is not available on this worker")
+    errors = controller.validate(update)
+    if errors:
+        raise ValueError("; ".join(errors))
+    controller.apply(update)
+    return my_pkg_flashhead_status(self)
+
+
+WORKER_METHODS = {
+    fn.__name__: fn
+    for fn in (
+        my_pkg_ping,
+        my_pkg_worker_info,
+        my_pkg_config,
+        my_pkg_flashhead_status,
+        my_pkg_flashhead_validate,
+        my_pkg_flashhead_apply,
+    )
+}

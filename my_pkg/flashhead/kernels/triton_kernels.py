@@ -1,0 +1,106 @@
+"""Triton stage-2 kernels of FlashHead (imported lazily; needs Triton).
+
+One program per (batch row, probe): it loads the probed cluster's member ids from
+the cluster map, streams their head rows in ``BLOCK_H`` slices (masked, so the
+hidden size need not be a multiple of the block) and reduces the dot products in
+fp32.  ``candidate_logits`` writes every candidate's logit and id; ``greedy`` keeps
+no ``[B, P*cap]`` intermediate: each program reduces its cluster to one
+(logit, token) pair, packs it as ``(order-preserving int32 bits of the fp32 logit) << 32
+| (2**31 - 1 - token)`` and merges it with ``tl.atomic_max`` into one int64 per row,
+so the maximum logit wins and ties go to the smallest token id.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["candidate_logits", "greedy"]
+
+_BLOCK_H = 128
+_INT64_MIN = -(2**63)
+
+
+@triton.jit
+def _cluster_dot(hidden_ptr, weight_ptr, members_ptr, row, cluster, stride_hb, stride_wv, stride_mc, H,
+                 CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < CAP
+    tok = tl.load(members_ptr + cluster * stride_mc + offs_m, mask=m_mask, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(0, H, BLOCK_H):
+        offs_h = k + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < H
+        x = tl.load(hidden_ptr + row * stride_hb + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + tok[:, None] * stride_wv + offs_h[None, :],
+                    mask=m_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    return tok, acc, m_mask
+
+
+@triton.jit
+def _candidate_logits_kernel(hidden_ptr, weight_ptr, members_ptr, probes_ptr, ids_ptr, logits_ptr,
+                             stride_hb, stride_wv, stride_mc, stride_pb, stride_ob, H,
+                             CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64)
+    cluster = tl.load(probes_ptr + row * stride_pb + p).to(tl.int64)
+    tok, acc, m_mask = _cluster_dot(hidden_ptr, weight_ptr, members_ptr, row, cluster, stride_hb, stride_wv,
+                                    stride_mc, H, CAP, BLOCK_M, BLOCK_H)
+    offs = row * stride_ob + p * CAP + tl.arange(0, BLOCK_M)
+    tl.store(logits_ptr + offs, acc.to(logits_ptr.dtype.element_ty), mask=m_mask)
+    tl.store(ids_ptr + offs, tok, mask=m_mask)
+
+
+@triton.jit
+def _greedy_kernel(hidden_ptr, weight_ptr, members_ptr, probes_ptr, out_ptr,
+                   stride_hb, stride_wv, stride_mc, stride_pb, H,
+                   CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64)
+    cluster = tl.load(probes_ptr + row * stride_pb + p).to(tl.int64)
+    tok, acc, m_mask = _cluster_dot(hidden_ptr, weight_ptr, members_ptr, row, cluster, stride_hb, stride_wv,
+                                    stride_mc, H, CAP, BLOCK_M, BLOCK_H)
+    acc = tl.where(m_mask, acc, float("-inf"))
+    best = tl.max(acc, axis=0)
+    best_tok = tl.min(tl.where((acc == best) & m_mask, tok, 2147483647), axis=0)
+    bits = best.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    packed = (key.to(tl.int64) << 32) | (2147483647 - best_tok)
+    tl.atomic_max(out_ptr + row, packed)
+
+
+def _prep(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor):
+    if weight.stride(1) != 1:
+        raise ValueError("weight rows must be contiguous")
+    hidden = hidden.to(weight.dtype).contiguous()
+    members = members.contiguous()
+    probes = probes.contiguous()
+    cap = members.shape[1]
+    return hidden, members, probes, cap, triton.next_power_of_2(cap)
+
+
+def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor,
+                     probes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact logits of every candidate: ``(token_ids [B, P*cap] int64, logits [B, P*cap])``."""
+    hidden, members, probes, cap, block_m = _prep(hidden, weight, members, probes)
+    b, p = probes.shape
+    ids = torch.empty(b, p * cap, dtype=torch.int64, device=weight.device)
+    logits = torch.empty(b, p * cap, dtype=weight.dtype, device=weight.device)
+    _candidate_logits_kernel[(b, p)](hidden, weight, members, probes, ids, logits,
+                                     hidden.stride(0), weight.stride(0), members.stride(0), probes.stride(0),
+                                     logits.stride(0), hidden.shape[1],
+                                     CAP=cap, BLOCK_M=block_m, BLOCK_H=_BLOCK_H)
+    return ids, logits
+
+
+def greedy(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64 argmax token over the candidates (fused; smallest id on ties)."""
+    hidden, members, probes, cap, block_m = _prep(hidden, weight, members, probes)
+    b, p = probes.shape
+    packed = torch.full((b,), _INT64_MIN, dtype=torch.int64, device=weight.device)
+    _greedy_kernel[(b, p)](hidden, weight, members, probes, packed,
+                           hidden.stride(0), weight.stride(0), members.stride(0), probes.stride(0), hidden.shape[1],
+                           CAP=cap, BLOCK_M=block_m, BLOCK_H=_BLOCK_H)
+    return 2147483647 - (packed & 0xFFFFFFFF)

@@ -1,0 +1,23 @@
+"""Constants and small HTTP helpers shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import httpx
+
+from my_pkg.devtools.server import VllmServer
+from my_pkg.devtools.tiny_model import TinyLlamaSpec
+
+API_KEY = "e2e-api-key"
+BOTH_HALVES = "my_pkg_engine,my_pkg_admin"
+MODEL_SPEC = TinyLlamaSpec(vocab_size=4096, hidden_size=128, num_hidden_layers=2)
+CLUSTER_SIZE = 16
+NUM_CLUSTERS = MODEL_SPEC.vocab_size // CLUSTER_SIZE
+DEFAULT_PROBES = 32
+
+
+def auth(token: str = API_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def client(server: VllmServer) -> httpx.Client:
+    return httpx.Client(base_url=server.url, timeout=120.0)

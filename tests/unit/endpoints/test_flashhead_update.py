@@ -1,0 +1,147 @@
+"""PUT /plugins/my_pkg/flashhead: body validation, all-or-none application."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+TOKEN = "s3cret"
+URL = "/plugins/my_pkg/flashhead"
+
+
+@pytest.fixture
+async def app_client(monkeypatch, engine, make_app, client_for):
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
+    app = await make_app(engine)
+    async with client_for(app, token=TOKEN) as c:
+        yield c
+
+
+def _state(engine):
+    return [(fh["enabled"], fh["n_probes"], fh["dense_batch_threshold"]) for fh in engine.fh]
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"n_probes": 0}, "n_probes"),
+        ({"n_probes": -3}, "n_probes"),
+        ({"n_probes": "4"}, "n_probes"),
+        ({"n_probes": 2.5}, "n_probes"),
+        ({"n_probes": True}, "n_probes"),
+        ({"dense_batch_threshold": -1}, "dense_batch_threshold"),
+        ({"enabled": "yes"}, "enabled"),
+        ({"enabled": 1}, "enabled"),
+        ({"n_probes": 4, "bogus": 1}, "bogus"),
+        ({}, None),
+        ({"enabled": None}, None),
+        ([], None),
+        ("n_probes=4", None),
+    ],
+)
+async def test_invalid_body_is_422_and_nothing_called(
+    body, field, app_client, engine, assert_error
+):
+    before = _state(engine)
+    err = assert_error(await app_client.put(URL, json=body), 422, "invalid_request_error")
+    assert isinstance(err["errors"], list) and err["errors"]
+    if field is not None:
+        assert any(field in e["loc"] for e in err["errors"]), err
+        assert field in err["message"]
+    assert engine.calls == []
+    assert _state(engine) == before
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b"null"])
+async def test_missing_or_broken_body_is_422(content, app_client, engine, assert_error):
+    r = await app_client.put(URL, content=content, headers={"Content-Type": "application/json"})
+    assert_error(r, 422, "invalid_request_error")
+    assert engine.calls == []
+
+
+async def test_broken_json_message(app_client, assert_error):
+    r = await app_client.put(URL, content=b"{oops", headers={"Content-Type": "application/json"})
+    assert "not valid JSON" in assert_error(r, 422)["message"]
+
+
+async def test_empty_body_message_says_at_least_one_field(app_client, assert_error):
+    err = assert_error(await app_client.put(URL, json={}), 422)
+    assert "at least one" in err["message"]
+
+
+async def test_valid_update_applied_on_all_workers(app_client, engine):
+    r = await app_client.put(URL, json={"n_probes": 8, "enabled": False})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["applied"] == {"n_probes": 8, "enabled": False}
+    assert body["num_workers"] == 2
+    assert [w["n_probes"] for w in body["workers"]] == [8, 8]
+    assert [w["enabled"] for w in body["workers"]] == [False, False]
+    assert engine.methods == ["my_pkg_flashhead_validate", "my_pkg_flashhead_apply"]
+    # only the given fields are sent, as the single positional argument
+    assert engine.calls[0]["args"] == ({"n_probes": 8, "enabled": False},)
+    assert engine.calls[1]["args"] == ({"n_probes": 8, "enabled": False},)
+    assert _state(engine) == [(False, 8, 32), (False, 8, 32)]
+
+
+async def test_threshold_zero_is_valid(app_client, engine):
+    r = await app_client.put(URL, json={"dense_batch_threshold": 0})
+    assert r.status_code == 200
+    assert _state(engine) == [(True, 4, 0), (True, 4, 0)]
+
+
+async def test_worker_side_rejection_on_one_rank_applies_nothing(
+    app_client, engine, assert_error
+):
+    engine.fh[1]["num_clusters"] = 6  # rank 0 accepts 8, rank 1 does not
+    before = _state(engine)
+    err = assert_error(await app_client.put(URL, json={"n_probes": 8}), 422, "invalid_update")
+    assert err["errors"] == [{"rank": 1, "errors": ["n_probes=8 exceeds num_clusters=6"]}]
+    assert err["update"] == {"n_probes": 8}
+    assert "nothing was applied" in err["message"]
+    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert _state(engine) == before
+
+
+async def test_flashhead_unavailable_is_409(app_client, engine, assert_error):
+    for fh in engine.fh:
+        fh["available"] = False
+    err = assert_error(await app_client.put(URL, json={"enabled": True}), 409,
+                       "flashhead_unavailable")
+    assert [e["rank"] for e in err["errors"]] == [0, 1]
+    assert "my_pkg_flashhead_apply" not in engine.methods
+
+
+async def test_rejection_when_status_lookup_fails_is_422(app_client, engine, assert_error):
+    engine.fh[0]["num_clusters"] = 2
+    engine.errors["my_pkg_flashhead_status"] = RuntimeError("status broke")
+    assert_error(await app_client.put(URL, json={"n_probes": 4}), 422, "invalid_update")
+    assert "my_pkg_flashhead_apply" not in engine.methods
+
+
+async def test_validate_failure_applies_nothing(app_client, engine, assert_error):
+    engine.errors["my_pkg_flashhead_validate"] = RuntimeError("rank 1 died")
+    assert_error(await app_client.put(URL, json={"n_probes": 4}), 503, "worker_error")
+    assert "my_pkg_flashhead_apply" not in engine.methods
+
+
+async def test_validate_reply_malformed_applies_nothing(app_client, engine, assert_error):
+    engine.overrides["my_pkg_flashhead_validate"] = [{"rank": 0, "errors": []}, "junk"]
+    assert_error(await app_client.put(URL, json={"n_probes": 4}), 503, "unexpected_reply")
+    assert "my_pkg_flashhead_apply" not in engine.methods
+
+
+async def test_apply_failure_is_503_with_note(app_client, engine, assert_error):
+    engine.errors["my_pkg_flashhead_apply"] = RuntimeError("apply broke")
+    err = assert_error(await app_client.put(URL, json={"n_probes": 4}), 503, "worker_error")
+    assert "apply broke" in err["message"]
+    assert "may now differ" in err["note"]
+
+
+async def test_engine_half_missing_on_put(app_client, engine, assert_error):
+    engine.missing.add("my_pkg_flashhead_validate")
+    err = assert_error(await app_client.put(URL, json={"n_probes": 4}), 503,
+                       "engine_plugin_missing")
+    assert "my_pkg_engine" in err["hint"]
+    assert "my_pkg_flashhead_apply" not in engine.methods

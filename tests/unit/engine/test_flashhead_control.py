@@ -1,0 +1,164 @@
+"""The per-worker FlashHead controller: per-row semantics, thresholds, control, counters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from my_pkg.engine.flashhead_control import DENSE_CODE, FlashHeadController, StepRows
+
+VOCAB, HIDDEN, CAP = 512, 32, 16
+CLUSTERS = VOCAB // CAP
+
+
+@pytest.fixture
+def weight() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(VOCAB + 8, HIDDEN)  # vLLM pads the head's rows
+
+
+@pytest.fixture
+def controller(weight, monkeypatch) -> FlashHeadController:
+    for name in ("MY_PKG_FLASHHEAD", "MY_PKG_FLASHHEAD_N_PROBES", "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD"):
+        monkeypatch.delenv(name, raising=False)
+    assignments = torch.randperm(VOCAB) % CLUSTERS
+    centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
+    ctl = FlashHeadController(
+        centroids=centroids, assignments=assignments, config={"n_probes": 4},
+        vocab_size=VOCAB, device_type="cpu",
+    )
+    ctl.bind(weight)
+    return ctl
+
+
+def _dense(weight):
+    return lambda hidden: hidden @ weight[:VOCAB].T
+
+
+def _rows(codes, sampled=None) -> StepRows:
+    codes = np.asarray(codes, dtype=np.uint8)
+    return StepRows(codes, np.zeros(len(codes), bool) if sampled is None else np.asarray(sampled))
+
+
+def test_plain_rows_get_exact_candidate_logits_and_minus_inf_elsewhere(controller, weight):
+    hidden = torch.randn(3, HIDDEN)
+    logits = controller.compute_logits(hidden, _rows([0, 0, 0]), _dense(weight), lambda x: x)
+    dense = _dense(weight)(hidden)
+    finite = torch.isfinite(logits)
+    assert (finite.sum(1) >= CAP).all() and (finite.sum(1) <= 4 * CAP).all()
+    torch.testing.assert_close(logits[finite], dense[finite])
+    assert controller.counters.rows_flashhead == 3
+    assert controller.counters.steps == 1
+
+
+def test_rows_that_need_dense_get_vllm_logits_and_are_counted_by_reason(controller, weight):
+    hidden = torch.randn(4, HIDDEN)
+    codes = [0, DENSE_CODE["logprobs"], 0, DENSE_CODE["structured_output"]]
+    logits = controller.compute_logits(hidden, _rows(codes), _dense(weight), lambda x: x)
+    dense = _dense(weight)(hidden)
+    torch.testing.assert_close(logits[1], dense[1])
+    torch.testing.assert_close(logits[3], dense[3])
+    assert torch.isinf(logits[0]).any() and torch.isinf(logits[2]).any()
+    assert controller.counters.rows_flashhead == 2
+    assert controller.counters.rows_dense == {"logprobs": 1, "structured_output": 1}
+
+
+def test_postprocess_applies_to_candidates_only(controller, weight):
+    hidden = torch.randn(2, HIDDEN)
+    logits = controller.compute_logits(hidden, _rows([0, 0]), _dense(weight), lambda x: torch.tanh(x / 2) * 2)
+    finite = torch.isfinite(logits)
+    assert logits[finite].abs().max() <= 2.0
+    assert (logits[~finite] == float("-inf")).all()
+
+
+def test_every_cluster_probed_equals_dense(controller, weight):
+    controller.apply({"n_probes": CLUSTERS})
+    hidden = torch.randn(5, HIDDEN)
+    logits = controller.compute_logits(hidden, _rows([0] * 5), _dense(weight), lambda x: x)
+    torch.testing.assert_close(logits, _dense(weight)(hidden))
+
+
+def test_batch_above_threshold_and_disabled_go_dense(controller, weight):
+    hidden = torch.randn(3, HIDDEN)
+    controller.apply({"dense_batch_threshold": 2})
+    out = controller.compute_logits(hidden, _rows([0, 0, 0]), _dense(weight), lambda x: x)
+    torch.testing.assert_close(out, _dense(weight)(hidden))
+    controller.apply({"dense_batch_threshold": 64, "enabled": False})
+    controller.compute_logits(hidden, _rows([0, 0, 0]), _dense(weight), lambda x: x)
+    assert controller.counters.rows_dense == {"batch_threshold": 3, "disabled": 3}
+    assert controller.counters.rows_flashhead == 0
+    status = controller.status()
+    assert status["active"] is False and "disabled" in status["reason"]
+
+
+def test_sampled_rows_use_probabilistic_probe_selection(controller, weight):
+    torch.manual_seed(1)
+    hidden = torch.randn(1, HIDDEN).repeat(64, 1)
+    greedy = controller.compute_logits(hidden, _rows([0] * 64), _dense(weight), lambda x: x)
+    sampled = controller.compute_logits(hidden, _rows([0] * 64, [True] * 64), _dense(weight), lambda x: x)
+    # Greedy rows all probe the same top clusters; sampled rows draw different ones.
+    assert (torch.isfinite(greedy) == torch.isfinite(greedy[0])).all()
+    assert not (torch.isfinite(sampled) == torch.isfinite(sampled[0])).all()
+
+
+def test_mismatched_rows_go_dense(controller, weight):
+    hidden = torch.randn(3, HIDDEN)
+    out = controller.compute_logits(hidden, _rows([0, 0]), _dense(weight), lambda x: x)
+    torch.testing.assert_close(out, _dense(weight)(hidden))
+    assert controller.counters.rows_dense == {"unexpected_rows": 3}
+
+
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        ({"n_probes": 0}, "n_probes must be an integer >= 1"),
+        ({"n_probes": CLUSTERS + 1}, f"<= the number of clusters ({CLUSTERS})"),
+        ({"n_probes": True}, "n_probes must be an integer"),
+        ({"dense_batch_threshold": -1}, "dense_batch_threshold"),
+        ({"enabled": "yes"}, "enabled must be true or false"),
+        ({"colour": 1}, "unknown field 'colour'"),
+    ],
+)
+def test_invalid_updates_are_refused(controller, update, message):
+    before = controller.status()
+    errors = controller.validate(update)
+    assert any(message in error for error in errors), errors
+    assert controller.status() == before
+
+
+def test_apply_takes_effect_on_the_head(controller):
+    controller.apply({"n_probes": 7})
+    assert controller.head.n_probes == 7
+    assert controller.status()["n_probes"] == 7
+
+
+def test_fallback_is_counted_and_logged_once(controller, caplog):
+    error = RuntimeError("kernel exploded")
+    controller.record_fallback(error, 4)
+    controller.record_fallback(error, 4)
+    assert controller.counters.fallbacks == 2
+    assert controller.counters.rows_dense["error"] == 8
+    assert sum("kernel exploded" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_assets_that_do_not_match_the_vocabulary_leave_it_unavailable(weight):
+    ctl = FlashHeadController(
+        centroids=torch.randn(4, HIDDEN), assignments=torch.zeros(10, dtype=torch.long),
+        config={}, vocab_size=VOCAB, device_type="cpu",
+    )
+    ctl.bind(weight)
+    assert ctl.head is None and not ctl.available
+    assert "vocabulary" in ctl.status()["reason"]
+    assert ctl.validate({"n_probes": 1})
+
+
+def test_environment_sets_start_up_settings(weight, monkeypatch):
+    monkeypatch.setenv("MY_PKG_FLASHHEAD", "0")
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_N_PROBES", "3")
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", "9")
+    ctl = FlashHeadController(
+        centroids=torch.randn(CLUSTERS, HIDDEN), assignments=torch.randperm(VOCAB) % CLUSTERS,
+        config={"n_probes": 5}, vocab_size=VOCAB, device_type="cpu",
+    )
+    assert (ctl.settings.enabled, ctl.settings.n_probes, ctl.settings.dense_batch_threshold) == (False, 3, 9)

@@ -1,0 +1,162 @@
+"""The vLLM glue: which requests need dense rows, the step rows, and the logits processor."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from my_pkg.engine.flashhead_control import DENSE_CODE, FlashHeadController, request_dense_reason
+from my_pkg.engine.patches import logits_processor, model_runner
+
+VOCAB, HIDDEN, CAP = 256, 16, 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({}, None),
+        ({"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.2, "seed": 3}, None),
+        ({"logprobs": 2}, "logprobs"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"logit_bias": {5: 2.0}}, "logit_bias"),
+        ({"allowed_token_ids": [1, 2, 3]}, "allowed_token_ids"),
+        ({"bad_words": ["the"]}, "bad_words"),
+    ],
+)
+def test_request_dense_reason_from_real_sampling_params(kwargs, reason):
+    from vllm import SamplingParams
+
+    assert request_dense_reason(SamplingParams(**kwargs)) == reason
+
+
+def test_structured_output_requests_need_dense_rows():
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    assert request_dense_reason(params) == "structured_output"
+
+
+def _input_batch(num_reqs: int, temperatures, dense: dict[str, int], processors=()):
+    batch = SimpleNamespace(
+        num_reqs=num_reqs,
+        req_id_to_index={f"r{i}": i for i in range(num_reqs + 2)},
+        temperature_cpu=np.asarray(temperatures, dtype=np.float32),
+        logitsprocs=SimpleNamespace(all=list(processors)),
+    )
+    batch.__dict__["_my_pkg_dense_requests"] = dense
+    return batch
+
+
+def test_step_rows_marks_only_the_tracked_requests():
+    batch = _input_batch(3, [0.0, 0.7, 0.0, 1.0, 1.0], {"r1": DENSE_CODE["logprobs"], "r4": DENSE_CODE["bad_words"]})
+    rows = model_runner.step_rows(batch)
+    assert rows.dense_codes.tolist() == [0, DENSE_CODE["logprobs"], 0]  # r4 is not in this step
+    assert rows.sampled.tolist() == [False, True, False]
+
+
+def test_step_rows_with_custom_logits_processors_is_all_dense():
+    class MyProcessor:
+        pass
+
+    rows = model_runner.step_rows(_input_batch(2, [0.0, 0.0], {}, [MyProcessor()]))
+    assert rows.dense_codes.tolist() == [DENSE_CODE["custom_logits_processors"]] * 2
+
+
+@pytest.fixture(autouse=True)
+def vllm_config():
+    """A default vLLM config in context, as during model construction (no model: no FlashHead)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+class UnquantizedEmbeddingMethod:
+    """Stands in for vLLM's class of the same name (matched by name)."""
+
+    def apply(self, layer, x, bias=None):
+        return F.linear(x, layer.weight, bias)
+
+
+@pytest.fixture
+def processor_and_head():
+    torch.manual_seed(0)
+    weight = torch.randn(VOCAB + 16, HIDDEN)
+    lm_head = SimpleNamespace(weight=weight, quant_method=UnquantizedEmbeddingMethod(), tp_size=1)
+    processor = logits_processor.subclass()(VOCAB)
+    assignments = torch.randperm(VOCAB) % (VOCAB // CAP)
+    centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(VOCAB // CAP)])
+    processor._my_pkg_flashhead = FlashHeadController(
+        centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB, device_type="cpu",
+    )
+    return processor, lm_head
+
+
+def _arm(controller, num_rows):
+    rows = model_runner.StepRows(np.zeros(num_rows, np.uint8), np.zeros(num_rows, bool))
+    controller.arm(lambda: rows)
+
+
+def test_processor_without_controller_is_vllms_own():
+    processor = logits_processor.subclass()(VOCAB)
+    assert processor._my_pkg_flashhead is None  # no FlashHead assets in the current config
+    weight = torch.randn(VOCAB + 16, HIDDEN)
+    lm_head = SimpleNamespace(weight=weight, quant_method=UnquantizedEmbeddingMethod(), tp_size=1)
+    hidden = torch.randn(2, HIDDEN)
+    torch.testing.assert_close(processor(lm_head, hidden), hidden @ weight[:VOCAB].T)
+
+
+def test_unarmed_calls_are_dense_and_armed_decode_steps_use_flashhead(processor_and_head):
+    processor, lm_head = processor_and_head
+    controller = processor._my_pkg_flashhead
+    hidden = torch.randn(2, HIDDEN)
+    dense = hidden @ lm_head.weight[:VOCAB].T
+    torch.testing.assert_close(processor(lm_head, hidden), dense)
+    assert controller.counters.steps == 0
+
+    _arm(controller, 2)
+    sparse = processor(lm_head, hidden)
+    assert sparse.shape == (2, VOCAB)
+    finite = torch.isfinite(sparse)
+    assert 0 < finite.sum() <= 2 * 2 * CAP
+    torch.testing.assert_close(sparse[finite], dense[finite])
+    assert controller.counters.rows_flashhead == 2
+    # The arming is consumed by one call: the next one (e.g. prompt logprobs) is dense.
+    torch.testing.assert_close(processor(lm_head, hidden), dense)
+
+
+def test_a_failing_head_falls_back_to_dense_and_counts(processor_and_head, monkeypatch):
+    processor, lm_head = processor_and_head
+    controller = processor._my_pkg_flashhead
+    hidden = torch.randn(3, HIDDEN)
+    _arm(controller, 3)
+    processor(lm_head, hidden)  # builds the head
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(controller.head, "candidate_logits", broken)
+    _arm(controller, 3)
+    out = processor(lm_head, hidden)
+    torch.testing.assert_close(out, hidden @ lm_head.weight[:VOCAB].T)
+    assert controller.counters.fallbacks == 1
+    assert controller.counters.rows_dense["error"] == 3
+
+
+def test_quantized_head_makes_flashhead_unavailable(processor_and_head):
+    processor, lm_head = processor_and_head
+    controller = processor._my_pkg_flashhead
+
+    class Fp8LinearMethod(UnquantizedEmbeddingMethod):
+        pass
+
+    lm_head.quant_method = Fp8LinearMethod()
+    _arm(controller, 1)
+    hidden = torch.randn(1, HIDDEN)
+    torch.testing.assert_close(processor(lm_head, hidden), hidden @ lm_head.weight[:VOCAB].T)
+    assert not controller.available and "quantized" in controller.status()["reason"]

@@ -1,0 +1,87 @@
+"""register(): idempotent, lazy, kill switch, and harmless when a vLLM internal moved.
+
+Each case runs in a fresh interpreter, because register() changes vLLM classes
+for the life of a process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+PROBE = textwrap.dedent(
+    """
+    import json, sys
+    {prelude}
+    import my_pkg.engine
+    lazy = "vllm" not in sys.modules and "torch" not in sys.modules
+    my_pkg.engine.register()
+    my_pkg.engine.register()
+    from vllm import ModelRegistry
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.v1.worker.worker_base import WorkerBase
+    print(json.dumps({{
+        "lazy_import": lazy,
+        "applied": my_pkg.engine.applied_patches(),
+        "methods": sorted(m for m in vars(WorkerBase) if m.startswith("my_pkg_")),
+        "flashhead_archs": sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith("FlashHead")),
+        "logits_processor": getattr(op_registry_oot.get("LogitsProcessor"), "__name__", None),
+    }}))
+    """
+)
+
+
+def _probe(prelude: str = "", **env: str) -> tuple[dict, str]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("MY_PKG_")}
+    environment.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(prelude=prelude)],
+        capture_output=True, text=True, env=environment, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_register_applies_every_patch_once_and_imports_lazily():
+    result, _ = _probe()
+    assert result["lazy_import"] is True
+    assert result["applied"] == {"worker": True, "model_registry": True, "logits_processor": True}
+    assert result["methods"] == [
+        "my_pkg_config", "my_pkg_flashhead_apply", "my_pkg_flashhead_status",
+        "my_pkg_flashhead_validate", "my_pkg_ping", "my_pkg_worker_info",
+    ]
+    for arch in ("FlashHeadLlamaForCausalLM", "FlashHeadQwen2ForCausalLM", "FlashHeadQwen3ForCausalLM",
+                 "FlashHeadMistralForCausalLM", "FlashHeadGemma3ForCausalLM"):
+        assert arch in result["flashhead_archs"]
+    assert result["logits_processor"] == "FlashHeadLogitsProcessor"
+
+
+def test_disable_leaves_vllm_untouched():
+    result, _ = _probe(MY_PKG_DISABLE="1")
+    assert result["methods"] == []
+    assert result["flashhead_archs"] == []
+    assert result["logits_processor"] is None
+
+
+def test_moved_internal_warns_once_and_leaves_that_component_alone():
+    prelude = "import vllm.v1.worker.worker_base as wb; del wb.WorkerBase.__init__; wb_cls = wb.WorkerBase; del wb.WorkerBase"
+    # The worker patch cannot find WorkerBase: it must warn, not raise, and the other
+    # patches still apply. (The probe re-imports WorkerBase afterwards, so restore it.)
+    prelude = textwrap.dedent(
+        """
+        import vllm.v1.worker.worker_base as wb
+        saved = wb.WorkerBase
+        del wb.WorkerBase
+        import my_pkg.engine
+        my_pkg.engine.register()
+        wb.WorkerBase = saved
+        """
+    )
+    result, stderr = _probe(prelude)
+    assert result["applied"]["worker"] is False
+    assert result["applied"]["model_registry"] is True
+    assert result["methods"] == []
+    assert stderr.count("vllm.v1.worker.worker_base.WorkerBase") == 1

@@ -1,0 +1,88 @@
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from my_pkg.cli import main
+from my_pkg.flashhead.evaluate import capture_hidden_states
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+VOCAB = 96
+HIDDEN = 32
+
+
+def _tiny_llama(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # a non-trivial final norm, so a missing norm would be detected
+        model.model.norm.weight.uniform_(0.5, 2.0)
+    model.save_pretrained(str(path))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(VOCAB - 3):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(str(path))
+    return model
+
+
+@pytest.fixture(scope="module")
+def built_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    model = _tiny_llama(path)
+    assert main(["flashhead", "build", str(path), "--no-progress", "--iterations", "3", "--n-probes", "2"]) == 0
+    return path, model
+
+
+def test_capture_matches_model_logits(built_llama):
+    path, model = built_llama
+    text = " ".join(f"w{i % 90}" for i in range(40))
+    hs = capture_hidden_states(path, text)
+    assert hs.shape == (40, HIDDEN)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(path))(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    torch.testing.assert_close(hs @ model.lm_head.weight.t(), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_eval_cli_text_path(built_llama, tmp_path, capsys):
+    path, _ = built_llama
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 90}" for i in range(60)))
+    assert main(["flashhead", "eval", str(path), "--text", str(text), "--probes", "1,3,6"]) == 0
+    out = capsys.readouterr().out
+    assert "captured by running the model" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("| 6 |")]
+    assert lines and "100.00%" in lines[0]  # 6 probes = every cluster: exact
+
+
+def test_eval_cli_hidden_states_file_and_synthetic(built_llama, tmp_path, capsys):
+    path, _ = built_llama
+    f = tmp_path / "hs.safetensors"
+    save_file({"hidden_states": torch.randn(50, HIDDEN)}, str(f))
+    assert main(["flashhead", "eval", str(path), "--hidden-states", str(f), "--probes", "2,6"]) == 0
+    out = capsys.readouterr().out
+    assert "50 samples" in out and "| 2 |" in out
+    assert main(["flashhead", "eval", str(path), "--samples", "30", "--probes", "6"]) == 0
+    assert "SYNTHETIC" in capsys.readouterr().out
+
+
+def test_eval_cli_errors(built_llama, tmp_path, capsys):
+    path, _ = built_llama
+    f = tmp_path / "bad.safetensors"
+    save_file({"hidden_states": torch.randn(5, HIDDEN + 1)}, str(f))
+    assert main(["flashhead", "eval", str(path), "--hidden-states", str(f)]) == 1
+    assert "hidden states must be" in capsys.readouterr().err
+    assert main(["flashhead", "eval", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err

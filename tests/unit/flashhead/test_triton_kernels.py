@@ -1,0 +1,44 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from my_pkg.flashhead.kernels import triton_available
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton not installed")
+def test_triton_kernels_match_torch_under_interpreter():
+    # TRITON_INTERPRET must be set before triton is imported, so run in a fresh interpreter.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_triton_check.py"))], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all checks passed" in proc.stdout
+
+
+def test_package_imports_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+            "import torch\n"
+            "from my_pkg.flashhead import FlashHead\n"
+            "from my_pkg.flashhead.kernels import triton_available\n"
+            "assert not triton_available()\n"
+            "h = FlashHead(torch.randn(32, 4), torch.randn(2, 4), torch.arange(32) % 2, n_probes=1)\n"
+            "assert h.backend == 'torch'\n"
+            "try:\n"
+            "    FlashHead(torch.randn(32, 4), torch.randn(2, 4), torch.arange(32) % 2, n_probes=1, backend='triton')\n"
+            "except ValueError: print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+    assert "vllm" not in proc.stdout
+
+
+def test_flashhead_does_not_import_vllm():
+    code = "import sys, my_pkg.flashhead, my_pkg.cli; print('vllm' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.strip() == "False", proc.stderr
