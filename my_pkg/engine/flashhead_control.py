@@ -211,8 +211,12 @@ class FlashHeadController:
                 f"FlashHead assets do not match the model: cluster_assignments covers "
                 f"{assignments.shape[0]} tokens, the vocabulary has {vocab_size}"
             )
-        num_clusters = int(centroids.shape[0]) if centroids is not None else None
-        self.settings = default_settings(config, num_clusters, device_type)
+        self.num_clusters: int | None = None
+        self.cluster_size: int | None = None
+        if self.unavailable_reason is None:
+            self.num_clusters = int(centroids.shape[0])
+            self.cluster_size = int(torch.bincount(assignments.flatten().long()).max())
+        self.settings = default_settings(config, self.num_clusters, device_type)
         if self.unavailable_reason is not None:
             self._centroids = self._assignments = None
             logger.warning("my_pkg: FlashHead not active, dense head in use: %s", self.unavailable_reason)
@@ -376,8 +380,8 @@ class FlashHeadController:
             "active": active,
             "reason": reason,
             "enabled": self.settings.enabled,
-            "num_clusters": head.num_clusters if head is not None else None,
-            "cluster_size": head.cluster_size if head is not None else None,
+            "num_clusters": self.num_clusters,
+            "cluster_size": self.cluster_size,
             "vocab_size": self.vocab_size,
             "n_probes": self.settings.n_probes,
             "dense_batch_threshold": self.settings.dense_batch_threshold,
@@ -396,13 +400,10 @@ class FlashHeadController:
             errors.append("enabled must be true or false")
         if "n_probes" in update:
             n_probes = update["n_probes"]
-            limit = self.head.num_clusters if self.head is not None else None
             if not isinstance(n_probes, int) or isinstance(n_probes, bool) or n_probes < 1:
                 errors.append("n_probes must be an integer >= 1")
-            elif limit is not None and n_probes > limit:
-                errors.append(f"n_probes must be <= the number of clusters ({limit})")
-            elif limit is None:
-                errors.append("n_probes cannot be changed before the head is built (send one request first)")
+            elif n_probes > self.num_clusters:
+                errors.append(f"n_probes must be <= the number of clusters ({self.num_clusters})")
         if "dense_batch_threshold" in update:
             threshold = update["dense_batch_threshold"]
             if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:

@@ -162,3 +162,17 @@ def test_environment_sets_start_up_settings(weight, monkeypatch):
         config={"n_probes": 5}, vocab_size=VOCAB, device_type="cpu",
     )
     assert (ctl.settings.enabled, ctl.settings.n_probes, ctl.settings.dense_batch_threshold) == (False, 3, 9)
+
+
+def test_settings_can_change_before_the_head_is_built(weight):
+    ctl = FlashHeadController(
+        centroids=torch.randn(CLUSTERS, HIDDEN), assignments=torch.randperm(VOCAB) % CLUSTERS,
+        config={"n_probes": 5}, vocab_size=VOCAB, device_type="cpu",
+    )
+    assert ctl.head is None
+    assert ctl.status()["num_clusters"] == CLUSTERS and ctl.status()["cluster_size"] == CAP
+    assert ctl.validate({"n_probes": CLUSTERS}) == []
+    assert ctl.validate({"n_probes": CLUSTERS + 1})
+    ctl.apply({"n_probes": CLUSTERS})
+    ctl.bind(weight)
+    assert ctl.head.n_probes == CLUSTERS

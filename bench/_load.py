@@ -1,0 +1,240 @@
+"""Shared pieces of the serving benchmarks (``serve.py``, ``admin_load.py``).
+
+* :func:`prepare_flashhead_model` builds a random Llama checkpoint once into a cache folder
+  and converts it with the package's own builder CLI (``python -m my_pkg flashhead build``).
+* :func:`flashhead_server` starts one vLLM server with both plugin halves and an admin token.
+* :func:`run_load` is a closed-loop completion load: C clients, each sending one request at
+  a time, until a duration has passed; output tokens/s = completion tokens / wall time.
+* :class:`Admin` wraps the admin routes the benchmarks use.
+
+Everything talks to 127.0.0.1 only, and every loop ends by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from my_pkg.devtools.server import VllmServer
+from my_pkg.devtools.tiny_model import TinyLlamaSpec, build_tiny_llama
+
+DEFAULT_WORK_DIR = Path(tempfile.gettempdir()) / "my_pkg-bench"
+BOTH_HALVES = "my_pkg_engine,my_pkg_admin"
+ADMIN_TOKEN = "bench-admin-token"
+FLASHHEAD_ROUTE = "/plugins/my_pkg/flashhead"
+
+#: Prompts of common words (about 10-16 tokens each with the tiny word-level tokenizer).
+PROMPTS = [
+    "the world and the sun were there when the people came to the city",
+    "what is the name of the father of the boy who found the water",
+    "one two three four five six seven eight nine",
+    "hello world this is a long story about a small house near the sea",
+    "they said that the man would go back to the farm after the night",
+    "{ \" name \" : \" hello \" , \" age \" : 7 }",
+    "some people think the animal can live in the tree by the river",
+    "my mother made food for every boy and girl at the school",
+]
+
+
+# ---- models and servers ----------------------------------------------------------------------
+
+def prepare_flashhead_model(work_dir: Path, name: str, spec: TinyLlamaSpec, *, iterations: int,
+                            n_probes: int | None = None, cluster_size: int = 16) -> Path:
+    """Random checkpoint ``work_dir/name`` converted into ``work_dir/name-flashhead`` (cached)."""
+    base = build_tiny_llama(work_dir / name, spec)
+    out = work_dir / f"{name}-flashhead"
+    wanted = json.dumps({"spec": asdict(spec), "iterations": iterations, "n_probes": n_probes,
+                         "cluster_size": cluster_size}, sort_keys=True)
+    marker = out / "bench_build.json"
+    if marker.is_file() and marker.read_text() == wanted:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "my_pkg", "flashhead", "build", str(base), "--output", str(out),
+           "--cluster-size", str(cluster_size), "--seed", "0", "--iterations", str(iterations), "--no-progress"]
+    if n_probes is not None:
+        cmd += ["--n-probes", str(n_probes)]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    print(f"  converted {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    marker.write_text(wanted)
+    return out
+
+
+def flashhead_server(model: Path, log_path: Path, *, max_model_len: int, max_num_seqs: int,
+                     extra_args: list[str] | None = None) -> VllmServer:
+    """A float32 server with both halves allowlisted and ``ADMIN_TOKEN`` as the admin token."""
+    env: dict[str, str | None] = {
+        "VLLM_PLUGINS": BOTH_HALVES,
+        "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
+        "VLLM_API_KEY": None,
+        "MY_PKG_DISABLE": None,
+        "MY_PKG_FLASHHEAD": None,
+        "MY_PKG_FLASHHEAD_N_PROBES": None,
+        "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD": None,
+    }
+    args = ["--max-num-seqs", str(max_num_seqs), *(extra_args or [])]
+    return VllmServer(model=str(model), args=args, env=env, log_path=log_path, dtype="float32",
+                      max_model_len=max_model_len)
+
+
+def auth_headers(token: str = ADMIN_TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+class Admin:
+    """The FlashHead admin route of one server (worker 0 is reported; all workers are set)."""
+
+    def __init__(self, url: str, token: str = ADMIN_TOKEN) -> None:
+        self.http = httpx.Client(base_url=url, headers=auth_headers(token), timeout=60.0)
+
+    def status(self) -> dict[str, Any]:
+        response = self.http.get(FLASHHEAD_ROUTE)
+        response.raise_for_status()
+        return response.json()["workers"][0]
+
+    def update(self, **settings: Any) -> dict[str, Any]:
+        response = self.http.put(FLASHHEAD_ROUTE, json=settings)
+        if response.status_code != 200:
+            raise RuntimeError(f"PUT {FLASHHEAD_ROUTE} {settings} -> {response.status_code}: {response.text}")
+        return response.json()["workers"][0]
+
+    def close(self) -> None:
+        self.http.close()
+
+
+@dataclass(frozen=True)
+class RowCounts:
+    """Decode rows served by FlashHead and by the dense head (by reason), from the status route."""
+
+    flashhead: int
+    dense: dict[str, int]
+
+    @classmethod
+    def of(cls, status: dict[str, Any]) -> "RowCounts":
+        counters = status["counters"]
+        return cls(int(counters["rows_flashhead"]), {k: int(v) for k, v in counters["rows_dense"].items()})
+
+    def __sub__(self, other: "RowCounts") -> "RowCounts":
+        keys = set(self.dense) | set(other.dense)
+        dense = {k: self.dense.get(k, 0) - other.dense.get(k, 0) for k in sorted(keys)}
+        return RowCounts(self.flashhead - other.flashhead, {k: v for k, v in dense.items() if v})
+
+    @property
+    def total(self) -> int:
+        return self.flashhead + sum(self.dense.values())
+
+    @property
+    def flashhead_share(self) -> float:
+        return self.flashhead / self.total if self.total else 0.0
+
+
+# ---- completion load -------------------------------------------------------------------------
+
+@dataclass
+class LoadResult:
+    concurrency: int
+    requests: int = 0
+    errors: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    latencies_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """Greedy completion of exactly ``max_tokens`` tokens."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def _client_loop(url: str, model: str, index: int, max_tokens: int, seconds: float, min_requests: int,
+                 start: threading.Barrier, t0: list[float], result: LoadResult, lock: threading.Lock,
+                 request_timeout: float) -> None:
+    with httpx.Client(base_url=url, timeout=request_timeout) as http:
+        start.wait()
+        done = 0
+        while done < min_requests or time.perf_counter() - t0[0] < seconds:
+            prompt = PROMPTS[(index + done) % len(PROMPTS)]
+            sent = time.perf_counter()
+            tokens, ok = 0, False
+            try:
+                response = http.post("/v1/completions", json=completion_body(model, prompt, max_tokens))
+                ok = response.status_code == 200
+                if ok:
+                    tokens = int(response.json()["usage"]["completion_tokens"])
+            except (httpx.HTTPError, ValueError, KeyError):
+                ok = False
+            elapsed = time.perf_counter() - sent
+            done += 1
+            with lock:
+                result.requests += 1
+                result.completion_tokens += tokens
+                if ok:
+                    result.latencies_s.append(elapsed)
+                else:
+                    result.errors += 1
+            if not ok:
+                time.sleep(0.2)  # do not spin on a failing server
+
+
+def run_load(url: str, model: str, *, concurrency: int, max_tokens: int, seconds: float,
+             min_requests: int = 1, request_timeout: float = 600.0) -> LoadResult:
+    """``concurrency`` clients start together; each sends completions one after the other until
+    ``seconds`` have passed (at least ``min_requests`` each).  Wall time runs until the last
+    answer, so every counted token lies inside it."""
+    result = LoadResult(concurrency)
+    lock = threading.Lock()
+    t0 = [0.0]
+    start = threading.Barrier(concurrency + 1)
+    threads = [threading.Thread(target=_client_loop, daemon=True,
+                                args=(url, model, i, max_tokens, seconds, min_requests, start, t0, result, lock,
+                                      request_timeout))
+               for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    t0[0] = time.perf_counter()
+    start.wait()
+    for thread in threads:
+        thread.join()
+    result.wall_s = time.perf_counter() - t0[0]
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def command_line() -> str:
+    """How this script was run, relative to the repository root (``--work-dir`` left out)."""
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(Path(__file__).resolve().parents[1])
+    except ValueError:
+        script = Path(script.name)
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--work-dir":
+            skip = True  # a local cache folder: does not change the results
+        elif not arg.startswith("--work-dir="):
+            args.append(arg)
+    return " ".join(["python", str(script), *args])

@@ -1,0 +1,217 @@
+"""FlashHead inside a real vLLM server: same answers as dense where it must, live control, counters."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from e2e_support import DEFAULT_PROBES, NUM_CLUSTERS, auth, client
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "the world and the sun",
+    "hello world",
+    "what is the name of the city",
+    "{ \" name \" :",
+    "water food and fire",
+    "one two three four",
+]
+FLASHHEAD = "/plugins/my_pkg/flashhead"
+
+
+def _status(http) -> dict:
+    response = http.get(FLASHHEAD, headers=auth())
+    assert response.status_code == 200, response.text
+    return response.json()["workers"][0]
+
+
+def _put(http, body: dict, headers: dict | None = None):
+    return http.put(FLASHHEAD, json=body, headers=auth() if headers is None else headers)
+
+
+def _complete(http, model: str, prompt: str, **params) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, **params}
+    response = http.post("/v1/completions", json=body, headers=auth())
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def _complete_all(http, model: str, prompts: list[str], **params) -> list[dict]:
+    """Send every prompt at once, so the server batches them (batch > 1)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _complete(http, model, p, **params), prompts))
+
+
+@pytest.fixture
+def fh(flashhead_server):
+    """An HTTP client on the FlashHead server; settings are restored after the test."""
+    with client(flashhead_server) as http:
+        defaults = _status(http)
+        yield http
+        restore = {k: defaults[k] for k in ("enabled", "n_probes", "dense_batch_threshold")}
+        assert _put(http, restore).status_code == 200
+
+
+def test_every_cluster_probed_gives_the_dense_servers_tokens(fh, flashhead_server, plain_vllm_server):
+    assert _put(fh, {"n_probes": NUM_CLUSTERS}).status_code == 200
+    before = _status(fh)["counters"]
+    ours = _complete_all(fh, flashhead_server.model, PROMPTS, max_tokens=48, return_token_ids=True)
+    with client(plain_vllm_server) as plain:
+        reference = _complete_all(plain, plain_vllm_server.model, PROMPTS, max_tokens=48, return_token_ids=True)
+    assert [c["token_ids"] for c in ours] == [c["token_ids"] for c in reference]
+    assert all(len(c["token_ids"]) == 48 for c in ours)
+    after = _status(fh)["counters"]
+    # Every decode row went through FlashHead, none fell back to dense.
+    assert after["rows_flashhead"] - before["rows_flashhead"] >= len(PROMPTS) * 47
+    assert after["rows_dense"] == before["rows_dense"]
+    assert after["fallbacks"] == 0
+
+
+def test_default_probes_serve_greedy_and_sampled_requests(fh, flashhead_server):
+    status = _status(fh)
+    assert status["active"] and status["n_probes"] == DEFAULT_PROBES
+    assert status["num_clusters"] == NUM_CLUSTERS and status["cluster_size"] == 16
+    before = status["counters"]["rows_flashhead"]
+    greedy = _complete_all(fh, flashhead_server.model, PROMPTS[:3])
+    sampled = _complete_all(
+        fh, flashhead_server.model, PROMPTS[:3],
+        temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
+        frequency_penalty=0.2, presence_penalty=0.2, seed=7,
+    )
+    assert all(c["text"].strip() for c in greedy + sampled)
+    again = _complete(fh, flashhead_server.model, PROMPTS[0], temperature=0.9, top_p=0.9, seed=7)
+    assert again["text"] == sampled[0]["text"]  # seeded sampling is reproducible
+    assert _status(fh)["counters"]["rows_flashhead"] >= before + 6 * 23
+
+
+def test_logprobs_requests_get_the_dense_servers_logprobs(fh, flashhead_server, plain_vllm_server):
+    before = _status(fh)["counters"]["rows_dense"].get("logprobs", 0)
+    params = {"max_tokens": 8, "logprobs": 3}
+    ours = _complete(fh, flashhead_server.model, PROMPTS[2], **params)
+    with client(plain_vllm_server) as plain:
+        reference = _complete(plain, plain_vllm_server.model, PROMPTS[2], **params)
+    assert ours["logprobs"]["tokens"] == reference["logprobs"]["tokens"]
+    assert ours["logprobs"]["token_logprobs"] == pytest.approx(reference["logprobs"]["token_logprobs"], abs=1e-4)
+    for mine, theirs in zip(ours["logprobs"]["top_logprobs"], reference["logprobs"]["top_logprobs"]):
+        assert mine.keys() == theirs.keys()
+        assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-4)
+    assert _status(fh)["counters"]["rows_dense"]["logprobs"] >= before + 8
+
+
+def test_prompt_logprobs_equal_the_dense_servers(fh, flashhead_server, plain_vllm_server):
+    params = {"max_tokens": 2, "prompt_logprobs": 1}
+    ours = _complete(fh, flashhead_server.model, PROMPTS[0], **params)["prompt_logprobs"]
+    with client(plain_vllm_server) as plain:
+        theirs = _complete(plain, plain_vllm_server.model, PROMPTS[0], **params)["prompt_logprobs"]
+    assert ours[0] is None and theirs[0] is None
+    for mine, ref in zip(ours[1:], theirs[1:]):
+        assert mine.keys() == ref.keys()
+        for token in mine:
+            assert mine[token]["logprob"] == pytest.approx(ref[token]["logprob"], abs=1e-4)
+
+
+def test_guided_json_returns_valid_json(fh, flashhead_server):
+    before = _status(fh)["counters"]["rows_dense"].get("structured_output", 0)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "boolean"}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    choice = _complete(fh, flashhead_server.model, "json", max_tokens=40, structured_outputs={"json": schema})
+    value = json.loads(choice["text"])
+    assert isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), bool)
+    assert _status(fh)["counters"]["rows_dense"]["structured_output"] > before
+
+
+def test_put_changes_probes_and_enabled_live(fh, flashhead_server):
+    wide = _put(fh, {"n_probes": NUM_CLUSTERS})
+    assert wide.status_code == 200 and wide.json()["workers"][0]["n_probes"] == NUM_CLUSTERS
+    exact = _complete(fh, flashhead_server.model, PROMPTS[2], max_tokens=40)["text"]
+    assert _put(fh, {"n_probes": 1}).json()["workers"][0]["n_probes"] == 1
+    narrow = _complete(fh, flashhead_server.model, PROMPTS[2], max_tokens=40)["text"]
+    assert narrow != exact  # one cluster per step cannot reproduce the dense answer
+    assert _status(fh)["n_probes"] == 1
+
+    assert _put(fh, {"enabled": False}).status_code == 200
+    status = _status(fh)
+    assert status["enabled"] is False and status["active"] is False
+    disabled_before = status["counters"]["rows_dense"].get("disabled", 0)
+    flash_before = status["counters"]["rows_flashhead"]
+    dense_answer = _complete(fh, flashhead_server.model, PROMPTS[2], max_tokens=40)["text"]
+    counters = _status(fh)["counters"]
+    assert counters["rows_dense"]["disabled"] >= disabled_before + 39
+    assert counters["rows_flashhead"] == flash_before
+    assert dense_answer == exact
+
+    assert _put(fh, {"enabled": True}).json()["workers"][0]["active"] is True
+    _complete(fh, flashhead_server.model, PROMPTS[2], max_tokens=8)
+    assert _status(fh)["counters"]["rows_flashhead"] > flash_before
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"n_probes": 0}, "n_probes"),
+        ({"n_probes": NUM_CLUSTERS + 1}, "clusters"),
+        ({"dense_batch_threshold": -3}, "dense_batch_threshold"),
+        ({"enabled": "sometimes"}, "enabled"),
+        ({"probes": 4}, "probes"),
+        ({}, "at least one"),
+    ],
+)
+def test_invalid_put_is_422_and_changes_nothing(fh, body, fragment):
+    before = _status(fh)
+    response = _put(fh, body)
+    assert response.status_code == 422, response.text
+    assert fragment in response.text
+    after = _status(fh)
+    assert {k: after[k] for k in ("enabled", "n_probes", "dense_batch_threshold")} == {
+        k: before[k] for k in ("enabled", "n_probes", "dense_batch_threshold")
+    }
+
+
+def test_put_needs_the_right_token(fh):
+    assert _put(fh, {"n_probes": 3}, headers={}).status_code == 401
+    assert _put(fh, {"n_probes": 3}, headers=auth("nope")).status_code == 401
+    assert _status(fh)["n_probes"] == DEFAULT_PROBES
+
+
+def test_put_is_forbidden_when_no_token_is_configured(endpoint_only_server):
+    with client(endpoint_only_server) as http:
+        response = http.put(FLASHHEAD, json={"n_probes": 3})
+        assert response.status_code == 403
+        assert "MY_PKG_ADMIN_TOKEN" in response.text
+
+
+def test_batch_threshold_sends_big_batches_dense(fh, flashhead_server):
+    assert _put(fh, {"dense_batch_threshold": 1}).status_code == 200
+    before = _status(fh)["counters"]["rows_dense"].get("batch_threshold", 0)
+    _complete_all(fh, flashhead_server.model, PROMPTS[:4], max_tokens=16)
+    assert _status(fh)["counters"]["rows_dense"]["batch_threshold"] > before
+
+
+def test_metrics_expose_the_counters_by_rank(fh, flashhead_server):
+    _complete(fh, flashhead_server.model, PROMPTS[0], max_tokens=4)
+    counters = _status(fh)["counters"]
+    text = fh.get("/plugins/my_pkg/metrics", headers=auth()).text
+    match = re.search(r'^my_pkg_flashhead_rows_total\{rank="0",path="flashhead"\} (\d+)', text, re.M)
+    assert match and int(match.group(1)) == counters["rows_flashhead"]
+    assert re.search(r'^my_pkg_flashhead_active\{rank="0"\} 1', text, re.M)
+
+
+def test_flashhead_model_without_the_plugin_is_refused(flashhead_model, logs_dir):
+    from my_pkg.devtools.server import VllmServer
+
+    server = VllmServer(model=str(flashhead_model), env={"VLLM_PLUGINS": ""}, log_path=logs_dir / "no-plugin.log")
+    server.start()
+    try:
+        assert server.wait_exit(timeout=300) != 0
+    finally:
+        server.stop()
+    log = server.log_tail(200)
+    assert "FlashHeadLlamaForCausalLM" in log and "not supported" in log
