@@ -37,6 +37,8 @@ def machine_description() -> str:
     except ImportError:  # pragma: no cover
         parts.append("torch not installed")
     parts.append(f"Python {platform.python_version()}, {platform.system()} {platform.release()}")
+    if hasattr(os, "getloadavg"):
+        parts.append("load average %.1f at start" % os.getloadavg()[0])
     return "; ".join(parts)
 
 

@@ -2,7 +2,7 @@
 
 Timing only: heads are random and the cluster assignment is a fast random balanced one
 (stage costs do not depend on cluster quality).  Greedy decoding is timed on both sides:
-dense = ``argmax(hidden @ W.T)``, FlashHead = stage 1 + fused stage 2 greedy.  On CUDA the
+dense = ``argmax(hidden @ W.T)`` (best of ``F.linear`` and ``mm(W, hidden.T)``), FlashHead = stage 1 + fused stage 2 greedy.  On CUDA the
 dense side is also run as one fused Triton argmax kernel (every row scored, no logits
 written).  Results go to stdout and to the ``head`` section of ``docs/benchmarks.md``.
 
@@ -80,7 +80,9 @@ def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.devic
     rows = []
     for b in batches:
         h = torch.randn(b, hidden, generator=g).to(dtype).to(device)
-        dense = _timer(device, lambda: torch.nn.functional.linear(h, weight).argmax(1), repeats, min_time)
+        # Dense: the faster of two formulations (F.linear is slow for small B > 1 on some CPUs).
+        dense = min(_timer(device, lambda: torch.nn.functional.linear(h, weight).argmax(1), repeats, min_time),
+                    _timer(device, lambda: torch.mm(weight, h.t()).argmax(0), repeats, min_time))
         flash = _timer(device, lambda: head.greedy(h), repeats, min_time)
         fused_ms = _timer(device, lambda: fused(h), repeats, min_time) if fused else None
         rows.append({"batch": b, "dense": dense, "flash": flash, "fused": fused_ms})
@@ -96,10 +98,13 @@ def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.devic
 def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype) -> str:
     out = [f"### FlashHead vs dense LM head ({device.type}, {str(dtype).replace('torch.', '')})", "",
            f"Machine: {machine_description()}", "",
-           "Greedy decode step (ms, median). Dense = `argmax(hidden @ W.T)`; FlashHead = centroid scoring + "
+           "Greedy decode step (ms, median). Dense = `argmax(hidden @ W.T)` (faster of `F.linear` and "
+           "`mm(W, hidden.T)`); FlashHead = centroid scoring + "
            "top-P + exact scoring of the P x 16 candidate rows. Random heads with a random balanced "
            "assignment (timing does not depend on cluster quality). Crossover = smallest measured batch "
-           "at which dense is at least as fast.", ""]
+           "at which dense is at least as fast. On a shared machine timings are noisy (see the load average above); "
+           "with 2 threads under load every OpenMP barrier can cost a scheduler tick, `--threads 1` is steadier.",
+           ""]
     for r in results:
         fused = any(x["fused"] is not None for x in r["rows"])
         out.append(f"**V = {r['vocab']:,}, H = {r['hidden']:,}** ({r['clusters']:,} clusters, "

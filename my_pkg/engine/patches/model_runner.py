@@ -49,6 +49,11 @@ def step_rows(input_batch: Any) -> StepRows:
             if row is not None and row < num_rows:
                 codes[row] = code
     sampled = np.asarray(input_batch.temperature_cpu[:num_rows]) > 0.0
+    # Rows with a per-request seed take the top clusters: drawing them would use
+    # randomness outside the request's generator and break the seed's promise.
+    seeded = [row for row in getattr(input_batch, "generators", {}) if row < num_rows]
+    if seeded:
+        sampled[seeded] = False
     return StepRows(dense_codes=codes, sampled=sampled)
 
 

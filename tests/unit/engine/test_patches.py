@@ -59,6 +59,12 @@ def test_step_rows_marks_only_the_tracked_requests():
     assert rows.sampled.tolist() == [False, True, False]
 
 
+def test_seeded_rows_do_not_draw_their_clusters():
+    batch = _input_batch(3, [0.9, 0.9, 0.0], {})
+    batch.generators = {0: object(), 7: object()}
+    assert model_runner.step_rows(batch).sampled.tolist() == [False, True, False]
+
+
 def test_step_rows_with_custom_logits_processors_is_all_dense():
     class MyProcessor:
         pass

@@ -1,0 +1,186 @@
+"""Admin routes under load: their latency while completions stream, and what polling costs.
+
+One vLLM server serves a small random Llama converted to FlashHead (both plugin halves,
+admin token set).  Three phases of ``--seconds`` each run a steady completion load
+(``--clients`` closed-loop clients, greedy, ``--max-tokens`` tokens each, ``ignore_eos``):
+without polling, with polling, without polling again.  During the polling phase one poller
+sends GET requests at ``--hz`` on a fixed schedule, rotating through health, workers,
+config/scheduler, flashhead and metrics, and records each answer's latency and status (any
+non-200 is an error).  Reported: admin latency p50/p99 (overall and per route), errors, the
+achieved polling rate, and completion tokens/s per phase (polling vs the mean of the two
+phases without).
+
+    python bench/admin_load.py --quick                 # 3 x 5 s, prints only
+    python bench/admin_load.py --write-docs            # 10 Hz, 3 x 60 s, writes the admin section
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _load import (ADMIN_TOKEN, DEFAULT_WORK_DIR, LoadResult, auth_headers, command_line, flashhead_server,  # noqa: E402
+                   percentile, prepare_flashhead_model, run_load)
+from _report import machine_description, write_section  # noqa: E402
+
+from my_pkg.devtools.tiny_model import TinyLlamaSpec  # noqa: E402
+
+SPEC = TinyLlamaSpec(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+PREFIX = "/plugins/my_pkg"
+ROUTES = ("health", "workers", "config/scheduler", "flashhead", "metrics")
+
+
+@dataclass
+class PollResult:
+    seconds: float = 0.0
+    latencies_ms: dict[str, list[float]] = field(default_factory=lambda: {r: [] for r in ROUTES})
+    errors: dict[str, int] = field(default_factory=lambda: {r: 0 for r in ROUTES})
+
+    @property
+    def requests(self) -> int:
+        return sum(len(v) for v in self.latencies_ms.values()) + sum(self.errors.values())
+
+    @property
+    def all_latencies(self) -> list[float]:
+        return [x for v in self.latencies_ms.values() for x in v]
+
+
+def poll(url: str, token: str, hz: float, seconds: float, stop: threading.Event, result: PollResult) -> None:
+    """GET the admin routes in turn on a fixed schedule (no catch-up bursts) until ``seconds``
+    have passed or ``stop`` is set.  Latency is recorded for 200 answers; anything else counts
+    as an error of that route."""
+    period = 1.0 / hz
+    with httpx.Client(base_url=url, headers=auth_headers(token), timeout=10.0) as http:
+        t0 = time.perf_counter()
+        next_at, i = t0, 0
+        while not stop.is_set() and time.perf_counter() - t0 < seconds:
+            route = ROUTES[i % len(ROUTES)]
+            i += 1
+            sent = time.perf_counter()
+            try:
+                ok = http.get(f"{PREFIX}/{route}").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                result.latencies_ms[route].append((time.perf_counter() - sent) * 1e3)
+            else:
+                result.errors[route] += 1
+            next_at = max(next_at + period, time.perf_counter())
+            stop.wait(max(0.0, next_at - time.perf_counter()))
+        result.seconds = time.perf_counter() - t0
+
+
+@dataclass
+class Phase:
+    name: str
+    load: LoadResult
+    poll: PollResult | None = None
+
+
+def run_phase(name: str, url: str, model: str, args: argparse.Namespace, polling: bool) -> Phase:
+    phase = Phase(name, LoadResult(args.clients))
+    stop = threading.Event()
+    poller = None
+    if polling:
+        phase.poll = PollResult()
+        poller = threading.Thread(target=poll, args=(url, ADMIN_TOKEN, args.hz, args.seconds, stop, phase.poll),
+                                  daemon=True)
+        poller.start()
+    try:
+        phase.load = run_load(url, model, concurrency=args.clients, max_tokens=args.max_tokens, seconds=args.seconds)
+    finally:
+        stop.set()
+        if poller is not None:
+            poller.join()
+    extra = ""
+    if phase.poll is not None:
+        lat = phase.poll.all_latencies
+        extra = (f"; admin {phase.poll.requests} requests ({phase.poll.requests / phase.poll.seconds:.1f}/s), "
+                 f"p50 {percentile(lat, 50):.1f} ms, p99 {percentile(lat, 99):.1f} ms, "
+                 f"{sum(phase.poll.errors.values())} errors")
+    print(f"  {name:18s}: {phase.load.tokens_per_s:7.1f} tok/s ({phase.load.requests} completions, "
+          f"{phase.load.errors} errors, {phase.load.wall_s:.1f} s){extra}", flush=True)
+    return phase
+
+
+def to_markdown(phases: list[Phase], args: argparse.Namespace) -> str:
+    polled = next(p for p in phases if p.poll is not None)
+    quiet = [p for p in phases if p.poll is None]
+    quiet_tps = sum(p.load.tokens_per_s for p in quiet) / len(quiet)
+    pr = polled.poll
+    assert pr is not None
+    out = ["### Admin routes under load", "",
+           f"Machine: {machine_description()}", "",
+           f"Command: `{command_line()}`", "",
+           f"One vLLM server (float32) serving a random Llama converted to FlashHead: V = {SPEC.vocab_size:,}, "
+           f"H = {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers; both plugin halves, admin token set. "
+           f"Completion load in every phase: {args.clients} closed-loop clients, greedy, {args.max_tokens} tokens "
+           f"each (`ignore_eos`). Phases of {args.seconds:g} s: without polling, with polling, without polling. "
+           f"Polling: one client at {args.hz:g} Hz on a fixed schedule, rotating through "
+           f"{', '.join(ROUTES)} (authenticated GETs); achieved {pr.requests / pr.seconds:.1f} requests/s. "
+           "Latency = request to full answer, measured by the client; error = any answer other than 200.", "",
+           "| admin route | requests | errors | p50 ms | p99 ms | max ms |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for route in (*ROUTES, "all"):
+        lat = pr.all_latencies if route == "all" else pr.latencies_ms[route]
+        errors = sum(pr.errors.values()) if route == "all" else pr.errors[route]
+        name = "**all**" if route == "all" else f"`{PREFIX}/{route}`"
+        out.append(f"| {name} | {len(lat) + errors} | {errors} | {percentile(lat, 50):.1f} | "
+                   f"{percentile(lat, 99):.1f} | {max(lat, default=float('nan')):.1f} |")
+    out += ["", "| phase | completion tok/s | completions | completion errors |", "|---|---:|---:|---:|"]
+    for p in phases:
+        out.append(f"| {p.name} | {p.load.tokens_per_s:.1f} | {p.load.requests} | {p.load.errors} |")
+    ratio = polled.load.tokens_per_s / quiet_tps if quiet_tps else float("nan")
+    out += ["", f"Throughput with polling / without (mean of the two phases without): {ratio:.3f}."]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hz", type=float, default=10.0, help="admin requests per second")
+    ap.add_argument("--seconds", type=float, default=None, help="per phase (default 60; quick: 5)")
+    ap.add_argument("--clients", type=int, default=4, help="concurrent completion clients")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--iterations", type=int, default=2, help="k-means iterations of the conversion")
+    ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="checkpoint cache and server logs")
+    ap.add_argument("--quick", action="store_true", help="short phases (smoke test)")
+    ap.add_argument("--write-docs", action="store_true", help="write the admin section of docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    if args.hz <= 0 or args.clients < 1:
+        ap.error("--hz must be > 0 and --clients >= 1")
+    args.seconds = args.seconds if args.seconds is not None else (5.0 if args.quick else 60.0)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+
+    print(machine_description())
+    model = prepare_flashhead_model(args.work_dir, "admin-llama", SPEC, iterations=args.iterations)
+    server = flashhead_server(model, args.work_dir / "logs" / "admin-load.log",
+                              max_model_len=args.max_tokens + 64, max_num_seqs=max(32, args.clients))
+    t0 = time.perf_counter()
+    with server:
+        print(f"  server ready in {time.perf_counter() - t0:.0f} s (log: {server.log_path})", flush=True)
+        run_load(server.url, server.model, concurrency=args.clients, max_tokens=4, seconds=0)  # warm-up
+        phases = [run_phase("without polling", server.url, server.model, args, polling=False),
+                  run_phase(f"polling {args.hz:g} Hz", server.url, server.model, args, polling=True),
+                  run_phase("without polling (2)", server.url, server.model, args, polling=False)]
+    md = to_markdown(phases, args)
+    print()
+    print(md)
+    if args.write_docs:
+        print(f"wrote the admin section of {write_section('admin', md)}")
+    polled = phases[1].poll
+    errors = sum(p.load.errors for p in phases) + (sum(polled.errors.values()) if polled else 0)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
