@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
+import numbers
 from typing import Any
 
 _SECRET_WORDS = ("token", "api_key", "apikey", "secret", "password")
@@ -16,6 +18,11 @@ def _is_secret(name: str) -> bool:
     return any(word in lowered for word in _SECRET_WORDS)
 
 
+def plain(value: Any) -> Any:
+    """`value` as exactly dict/list/str/int/float/bool/None: safe for any RPC transport."""
+    return json.loads(json.dumps(to_jsonable(value), allow_nan=False))
+
+
 def to_jsonable(value: Any, depth: int = 6) -> Any:
     """Convert `value` to dicts, lists, strings, numbers, booleans and None.
 
@@ -23,12 +30,20 @@ def to_jsonable(value: Any, depth: int = 6) -> Any:
     their public fields; fields whose name suggests a secret are redacted;
     anything else unknown becomes its `str()`. Recursion stops at `depth`.
     """
-    if value is None or isinstance(value, (bool, int, str)):
+    # Subclasses (e.g. torch's TorchVersion, IntEnum) become the plain type: vLLM's
+    # msgpack encoder refuses anything else, and a refused RPC result breaks the engine.
+    if value is None or type(value) in (bool, int, str):
         return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
+    if isinstance(value, bool):
+        return bool(value)
     if isinstance(value, enum.Enum):
-        return value.value if isinstance(value.value, (str, int)) else value.name
+        return to_jsonable(value.value, depth) if isinstance(value.value, (str, int)) else value.name
+    if isinstance(value, numbers.Integral):  # int subclasses, numpy integers
+        return int(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, numbers.Real):
+        return float(value) if math.isfinite(value) else str(value)
     if depth <= 0 or isinstance(value, type) or callable(value):
         return str(value)
     if isinstance(value, dict):

@@ -15,12 +15,13 @@ Contract (also relied on by `my_pkg.endpoints`):
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from my_pkg import PLUGIN_NAME, __version__
-from my_pkg.engine.jsonable import to_jsonable
+from my_pkg.engine.jsonable import plain, to_jsonable
 
 CONFIG_SECTIONS = {
     "scheduler": "scheduler_config",
@@ -94,7 +95,7 @@ def my_pkg_worker_info(self: Any) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "device": str(device) if device is not None else None,
         "plugin_version": __version__,
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),
         "vllm_version": vllm_version,
         "memory": {
             "device_allocated_bytes": allocated,
@@ -162,8 +163,23 @@ def my_pkg_flashhead_apply(self: Any, update: dict[str, Any]) -> dict[str, Any]:
     return my_pkg_flashhead_status(self)
 
 
+def _returns_plain_data(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Every result leaves the worker as plain JSON data.
+
+    vLLM's engine core serialises RPC results with msgpack and refuses unknown
+    types (a `str` subclass such as `torch.__version__` included); such a refusal
+    happens on the engine's output thread, so it must never reach it.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return plain(method(self, *args, **kwargs))
+
+    return wrapper
+
+
 WORKER_METHODS = {
-    fn.__name__: fn
+    fn.__name__: _returns_plain_data(fn)
     for fn in (
         my_pkg_ping,
         my_pkg_worker_info,

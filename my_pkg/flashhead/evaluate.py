@@ -176,6 +176,6 @@ def format_table(rows: list[EvalRow], dense_ms: float, vocab_size: int) -> str:
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.n_probes} | {r.scored_rows:,} | {r.scored_rows / vocab_size:.1%} | {r.top1:.2%} | "
-                     f"{r.top5_in:.2%} | {r.ms:.2f} | {dense_ms / r.ms:.1f}x |")
-    lines.append(f"| dense | {vocab_size:,} | 100% | 100% | 100% | {dense_ms:.2f} | 1.0x |")
+                     f"{r.top5_in:.2%} | {r.ms:.2f} | {dense_ms / r.ms:.2f}x |")
+    lines.append(f"| dense | {vocab_size:,} | 100% | 100% | 100% | {dense_ms:.2f} | 1.00x |")
     return "\n".join(lines)

@@ -90,3 +90,45 @@ def test_to_jsonable_handles_odd_values():
 
     value = {"a": float("nan"), "b": {1, 2}, "c": Color.RED, "api_key": "k", "d": torch.float16, "e": (1, [2])}
     assert to_jsonable(value) == {"a": "nan", "b": [1, 2], "c": 1, "api_key": REDACTED, "d": "torch.float16", "e": [1, [2]]}
+
+
+@pytest.mark.parametrize("name", sorted(rpc.WORKER_METHODS))
+def test_every_result_survives_vllms_rpc_encoder(worker, name):
+    """vLLM's engine core encodes RPC results with msgpack and refuses e.g. str subclasses;
+    a refused result kills its output thread, so every result must be plain data."""
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    method = rpc.WORKER_METHODS[name]
+    args = {"my_pkg_config": ("model",), "my_pkg_flashhead_validate": ({"n_probes": 2},),
+            "my_pkg_flashhead_apply": ({"n_probes": 2},)}.get(name, ())
+    try:
+        result = method(worker, *args)
+    except RuntimeError:
+        assert name == "my_pkg_flashhead_apply"  # no FlashHead on this worker
+        return
+    MsgpackEncoder().encode(result)
+
+    def walk(value):
+        assert type(value) in (dict, list, str, int, float, bool, type(None)), type(value)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                assert type(key) is str
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(result)
+
+
+def test_plain_turns_subclasses_into_builtins():
+    from my_pkg.engine.jsonable import plain
+
+    result = plain({"v": torch.__version__, "n": np_int(), "f": float("inf")})
+    assert type(result["v"]) is str and type(result["n"]) is int and result["f"] == "inf"
+
+
+def np_int():
+    import numpy as np
+
+    return np.int64(3)
