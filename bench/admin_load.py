@@ -28,8 +28,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _load import (ADMIN_TOKEN, DEFAULT_WORK_DIR, LoadResult, auth_headers, command_line, flashhead_server,  # noqa: E402
-                   percentile, prepare_flashhead_model, run_load)
+from _load import (ADMIN_TOKEN, DEFAULT_WORK_DIR, LoadResult, auth_headers, command_line,  # noqa: E402
+                   flashhead_server, percentile, prepare_flashhead_model, run_load)
 from _report import machine_description, write_section  # noqa: E402
 
 from my_pkg.devtools.tiny_model import TinyLlamaSpec  # noqa: E402
@@ -37,6 +37,7 @@ from my_pkg.devtools.tiny_model import TinyLlamaSpec  # noqa: E402
 SPEC = TinyLlamaSpec(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 PREFIX = "/plugins/my_pkg"
+REQUEST_TIMEOUT_S = 60.0  # a completion of the small model takes well under a second
 ROUTES = ("health", "workers", "config/scheduler", "flashhead", "metrics")
 
 
@@ -97,7 +98,8 @@ def run_phase(name: str, url: str, model: str, args: argparse.Namespace, polling
                                   daemon=True)
         poller.start()
     try:
-        phase.load = run_load(url, model, concurrency=args.clients, max_tokens=args.max_tokens, seconds=args.seconds)
+        phase.load = run_load(url, model, concurrency=args.clients, max_tokens=args.max_tokens, seconds=args.seconds,
+                              request_timeout=REQUEST_TIMEOUT_S)
     finally:
         stop.set()
         if poller is not None:
@@ -168,10 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with server:
         print(f"  server ready in {time.perf_counter() - t0:.0f} s (log: {server.log_path})", flush=True)
-        run_load(server.url, server.model, concurrency=args.clients, max_tokens=4, seconds=0)  # warm-up
-        phases = [run_phase("without polling", server.url, server.model, args, polling=False),
-                  run_phase(f"polling {args.hz:g} Hz", server.url, server.model, args, polling=True),
-                  run_phase("without polling (2)", server.url, server.model, args, polling=False)]
+        run_load(server.url, server.model, concurrency=args.clients, max_tokens=4, seconds=0,
+                 request_timeout=REQUEST_TIMEOUT_S)  # warm-up
+        phases = []
+        for name, polling in (("without polling", False), (f"polling {args.hz:g} Hz", True),
+                              ("without polling (2)", False)):
+            phases.append(run_phase(name, server.url, server.model, args, polling))
+            if phases[-1].load.errors and phases[-1].load.errors == phases[-1].load.requests:
+                print(f"every completion failed; stopping. Server log tail:\n{server.log_tail(30)}")
+                return 1
     md = to_markdown(phases, args)
     print()
     print(md)

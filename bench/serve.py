@@ -106,6 +106,8 @@ def measure(url: str, model: str, admin: Admin, mode: str, rnd: int, args: argpa
     admin.update(enabled=mode == "flashhead")
     before = RowCounts.of(admin.status())
     load = run_load(url, model, concurrency=concurrency, max_tokens=args.max_tokens, seconds=args.seconds)
+    if load.errors == load.requests:
+        raise RuntimeError(f"every completion failed ({mode}, C={concurrency}); see the server log")
     rows = RowCounts.of(admin.status()) - before
     m = Measurement(mode, rnd, load, rows)
     print(f"    C={concurrency:3d} round {rnd} {mode:9s}: {load.tokens_per_s:8.1f} tok/s  "
@@ -158,7 +160,8 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
 
 
 def table(result: ShapeResult) -> list[str]:
-    lines = ["| concurrency | dense tok/s | FlashHead tok/s | FlashHead / dense | FlashHead rows in FlashHead rounds | check |",
+    lines = ["| concurrency | dense tok/s | FlashHead tok/s | FlashHead / dense | "
+             "FlashHead rows in FlashHead rounds | check |",
              "|---:|---:|---:|---:|---:|:---:|"]
     for c in sorted(result.runs):
         dense, flash = result.tokens_per_s(c, "dense"), result.tokens_per_s(c, "flashhead")

@@ -39,6 +39,7 @@ REQUEST_DENSE_REASONS = (
     "allowed_token_ids",
     "bad_words",
     "custom_logits_processors",
+    "unclassified",
 )
 _REASON_BY_CODE = ("",) + REQUEST_DENSE_REASONS
 DENSE_CODE = {name: code for code, name in enumerate(_REASON_BY_CODE) if name}

@@ -119,10 +119,10 @@ def subclass() -> type:
             controller = self._my_pkg_flashhead
             if controller is None or skip_gather or embedding_bias is not None:
                 return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
-            rows = controller.take_step()
-            if rows is None:  # warm-up, prompt logprobs, drafter: vLLM's own head
-                return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
             try:
+                rows = controller.take_step()
+                if rows is None:  # warm-up, prompt logprobs, drafter: vLLM's own head
+                    return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
                 if controller.head is None and controller.available:
                     if not _is_plain_weight(lm_head):
                         controller.make_unavailable(

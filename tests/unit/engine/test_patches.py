@@ -166,3 +166,16 @@ def test_quantized_head_makes_flashhead_unavailable(processor_and_head):
     hidden = torch.randn(1, HIDDEN)
     torch.testing.assert_close(processor(lm_head, hidden), hidden @ lm_head.weight[:VOCAB].T)
     assert not controller.available and "quantized" in controller.status()["reason"]
+
+
+def test_a_failing_step_description_falls_back_to_dense(processor_and_head):
+    processor, lm_head = processor_and_head
+    controller = processor._my_pkg_flashhead
+
+    def broken_rows():
+        raise KeyError("input batch changed shape")
+
+    controller.arm(broken_rows)
+    hidden = torch.randn(2, HIDDEN)
+    torch.testing.assert_close(processor(lm_head, hidden), hidden @ lm_head.weight[:VOCAB].T)
+    assert controller.counters.fallbacks == 1
