@@ -222,19 +222,3 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(rank, len(ordered)) - 1]
 
 
-def command_line() -> str:
-    """How this script was run, relative to the repository root (``--work-dir`` left out)."""
-    script = Path(sys.argv[0])
-    try:
-        script = script.resolve().relative_to(Path(__file__).resolve().parents[1])
-    except ValueError:
-        script = Path(script.name)
-    args, skip = [], False
-    for arg in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif arg == "--work-dir":
-            skip = True  # a local cache folder: does not change the results
-        elif not arg.startswith("--work-dir="):
-            args.append(arg)
-    return " ".join(["python", str(script), *args])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import sys
 from pathlib import Path
 
 __all__ = ["write_section", "machine_description", "BENCHMARKS_MD"]
@@ -58,3 +59,21 @@ def write_section(name: str, markdown: str, path: str | Path | None = None) -> P
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def command_line() -> str:
+    """How this script was run, relative to the repository root (``--work-dir`` left out)."""
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(Path(__file__).resolve().parents[1])
+    except ValueError:
+        script = Path(script.name)
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--work-dir":
+            skip = True  # a local cache folder: does not change the results
+        elif not arg.startswith("--work-dir="):
+            args.append(arg)
+    return " ".join(["python", str(script), *args])

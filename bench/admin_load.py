@@ -28,9 +28,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _load import (ADMIN_TOKEN, DEFAULT_WORK_DIR, LoadResult, auth_headers, command_line,  # noqa: E402
+from _load import (ADMIN_TOKEN, DEFAULT_WORK_DIR, LoadResult, auth_headers,  # noqa: E402
                    flashhead_server, percentile, prepare_flashhead_model, run_load)
-from _report import machine_description, write_section  # noqa: E402
+from _report import command_line, machine_description, write_section  # noqa: E402
 
 from my_pkg.devtools.tiny_model import TinyLlamaSpec  # noqa: E402
 

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import machine_description, write_section  # noqa: E402
+from _report import command_line, machine_description, write_section  # noqa: E402
 
 from my_pkg.flashhead import FlashHead, default_n_probes  # noqa: E402
 from my_pkg.flashhead.clustering import random_balanced_assignment  # noqa: E402
@@ -98,6 +98,7 @@ def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.devic
 def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype) -> str:
     out = [f"### FlashHead vs dense LM head ({device.type}, {str(dtype).replace('torch.', '')})", "",
            f"Machine: {machine_description()}", "",
+           f"Command: `{command_line()}`", "",
            "Greedy decode step (ms, median). Dense = `argmax(hidden @ W.T)` (faster of `F.linear` and "
            "`mm(W, hidden.T)`); FlashHead = centroid scoring + "
            "top-P + exact scoring of the P x 16 candidate rows. Random heads with a random balanced "

@@ -29,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _load import (DEFAULT_WORK_DIR, Admin, LoadResult, RowCounts, command_line, flashhead_server,  # noqa: E402
+from _load import (DEFAULT_WORK_DIR, Admin, LoadResult, RowCounts, flashhead_server,  # noqa: E402
                    prepare_flashhead_model, run_load)
-from _report import machine_description, write_section  # noqa: E402
+from _report import command_line, machine_description, write_section  # noqa: E402
 
 from my_pkg.devtools.tiny_model import TinyLlamaSpec  # noqa: E402
 

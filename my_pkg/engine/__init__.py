@@ -18,14 +18,17 @@ logger = logging.getLogger(f"vllm.{__name__}")
 PATCHES = ("worker", "model_registry", "logits_processor")
 
 _applied: dict[str, bool] = {}
+_registered = False
 
 
 def register() -> None:
     """Apply every patch once per process; log one warning per patch that cannot apply."""
-    if _applied or plugin_disabled():
-        if not _applied and plugin_disabled():
-            logger.info("my_pkg: MY_PKG_DISABLE is set; vLLM left untouched")
-            _applied["disabled"] = False
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    if plugin_disabled():
+        logger.info("my_pkg: MY_PKG_DISABLE is set; vLLM left untouched")
         return
     for name in PATCHES:
         module = import_module(f"my_pkg.engine.patches.{name}")
@@ -41,5 +44,5 @@ def register() -> None:
 
 
 def applied_patches() -> dict[str, bool]:
-    """Which patches this process applied (for diagnostics)."""
+    """Which patches this process applied (empty when disabled or not registered)."""
     return dict(_applied)

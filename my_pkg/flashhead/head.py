@@ -59,7 +59,8 @@ class FlashHead:
     """
 
     def __init__(self, weight: torch.Tensor, centroids: torch.Tensor, assignments: torch.Tensor, *,
-                 vocab_size: int | None = None, n_probes: int, backend: str = "auto") -> None:
+                 vocab_size: int | None = None, n_probes: int, backend: str = "auto",
+                 dense_batch_threshold: int | None = None) -> None:
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
         if centroids.dim() != 2 or centroids.shape[1] != weight.shape[1]:
@@ -83,6 +84,7 @@ class FlashHead:
         self.backend = self._resolve_backend(backend, weight)
         self._n_probes = 1
         self.n_probes = n_probes
+        self.dense_batch_threshold = dense_batch_threshold
 
     @staticmethod
     def _resolve_backend(backend: str, weight: torch.Tensor) -> str:
@@ -115,6 +117,22 @@ class FlashHead:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.num_clusters:
             raise ValueError(f"n_probes must be an int in [1, {self.num_clusters}], got {value!r}")
         return value
+
+    @property
+    def dense_batch_threshold(self) -> int | None:
+        """Batches larger than this are served by the dense head (None: never).
+
+        Above the crossover measured by ``bench/head.py`` the dense matmul is faster."""
+        return self._dense_batch_threshold
+
+    @dense_batch_threshold.setter
+    def dense_batch_threshold(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"dense_batch_threshold must be None or an int >= 0, got {value!r}")
+        self._dense_batch_threshold = value
+
+    def _use_dense(self, hidden: torch.Tensor) -> bool:
+        return self._dense_batch_threshold is not None and hidden.shape[0] > self._dense_batch_threshold
 
     @property
     def extra_memory_bytes(self) -> int:
@@ -155,12 +173,17 @@ class FlashHead:
     def greedy(self, hidden: torch.Tensor, probes: torch.Tensor | None = None) -> torch.Tensor:
         """``[B]`` int64 argmax token over the candidates (ties: smallest token id)."""
         hidden = self._check_hidden(hidden)
+        if probes is None and self._use_dense(hidden):
+            return self.dense_logits(hidden).argmax(dim=1)
         if probes is None:
             probes = self.select_probes(hidden)
         return self._kernels().greedy(hidden, self.weight, self.members, probes)
 
     def sparse_logits(self, hidden: torch.Tensor, probes: torch.Tensor | None = None, **select_kw) -> torch.Tensor:
-        """``[B, vocab_size]``: exact logits on the candidates, ``-inf`` elsewhere."""
+        """``[B, vocab_size]``: exact logits on the candidates, ``-inf`` elsewhere
+        (dense logits for a batch above ``dense_batch_threshold``)."""
+        if probes is None and self._use_dense(self._check_hidden(hidden)):
+            return self.dense_logits(hidden)
         ids, logits = self.candidate_logits(hidden, probes, **select_kw)
         out = torch.full((ids.shape[0], self.vocab_size), float("-inf"), dtype=logits.dtype, device=logits.device)
         return out.scatter_(1, ids, logits)

@@ -179,3 +179,27 @@ def test_a_failing_step_description_falls_back_to_dense(processor_and_head):
     hidden = torch.randn(2, HIDDEN)
     torch.testing.assert_close(processor(lm_head, hidden), hidden @ lm_head.weight[:VOCAB].T)
     assert controller.counters.fallbacks == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor parallel"),
+        ({"pipeline_parallel_size": 2}, "pipeline parallel"),
+        ({"speculative_config": object()}, "speculative decoding"),
+        ({"use_v2_model_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=0"),
+        ({"head_dtype": torch.float32}, "head_dtype"),
+    ],
+)
+def test_unsupported_configurations_are_dense_with_a_reason(change, fragment):
+    parallel = SimpleNamespace(tensor_parallel_size=change.get("tensor_parallel_size", 1),
+                               pipeline_parallel_size=change.get("pipeline_parallel_size", 1))
+    model = SimpleNamespace(dtype=torch.bfloat16, head_dtype=change.get("head_dtype"))
+    config = SimpleNamespace(parallel_config=parallel, model_config=model,
+                             speculative_config=change.get("speculative_config"),
+                             use_v2_model_runner=change.get("use_v2_model_runner", False))
+    assert fragment in logits_processor._unsupported_reason(config)
+    plain = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+                            model_config=SimpleNamespace(dtype=torch.bfloat16, head_dtype=None),
+                            speculative_config=None, use_v2_model_runner=False)
+    assert logits_processor._unsupported_reason(plain) is None

@@ -170,3 +170,16 @@ def test_default_n_probes():
     assert default_n_probes(8016) == 251
     assert default_n_probes(5) == 5
     assert 1 <= default_n_probes(1) <= 1
+
+
+def test_dense_batch_threshold_serves_big_batches_dense():
+    head, g = _head(n_probes=1)
+    h = torch.randn(4, head.hidden_size, generator=g)
+    dense = head.dense_logits(h)
+    assert not torch.isfinite(head.sparse_logits(h)).all()  # no threshold: FlashHead
+    head.dense_batch_threshold = 3
+    torch.testing.assert_close(head.sparse_logits(h), dense)
+    assert torch.equal(head.greedy(h), dense.argmax(1))
+    assert not torch.isfinite(head.sparse_logits(h[:3])).all()  # at the threshold: FlashHead
+    with pytest.raises(ValueError):
+        head.dense_batch_threshold = -1
