@@ -93,10 +93,12 @@ def test_batch_above_threshold_and_disabled_go_dense(controller, weight):
 
 
 def test_sampled_rows_use_probabilistic_probe_selection(controller, weight):
+    controller.apply({"dense_batch_threshold": 64})
     torch.manual_seed(1)
     hidden = torch.randn(1, HIDDEN).repeat(64, 1)
     greedy = controller.compute_logits(hidden, _rows([0] * 64), _dense(weight), lambda x: x)
     sampled = controller.compute_logits(hidden, _rows([0] * 64, [True] * 64), _dense(weight), lambda x: x)
+    assert controller.counters.rows_flashhead == 128
     # Greedy rows all probe the same top clusters; sampled rows draw different ones.
     assert (torch.isfinite(greedy) == torch.isfinite(greedy[0])).all()
     assert not (torch.isfinite(sampled) == torch.isfinite(sampled[0])).all()
