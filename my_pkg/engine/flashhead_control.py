@@ -332,19 +332,28 @@ class FlashHeadController:
             return dense(hidden)
 
         token = self._timer.start(hidden.device)
+        flash_hidden, sampled, flash_index = hidden, rows.sampled, None
+        if dense_rows.size:  # score candidates only for the rows FlashHead serves
+            flash_rows = np.flatnonzero(rows.dense_codes == 0)
+            flash_index = torch.from_numpy(flash_rows).to(hidden.device, non_blocking=True)
+            flash_hidden, sampled = hidden.index_select(0, flash_index), sampled[flash_rows]
         sample_rows = None
-        if self.settings.probe_sampling and rows.sampled.any():
-            sample_rows = torch.from_numpy(rows.sampled).to(hidden.device, non_blocking=True)
-        token_ids, candidate_logits = self.head.candidate_logits(hidden, sample_rows=sample_rows)
+        if self.settings.probe_sampling and sampled.any():
+            sample_rows = torch.from_numpy(sampled).to(hidden.device, non_blocking=True)
+        token_ids, candidate_logits = self.head.candidate_logits(flash_hidden, sample_rows=sample_rows)
         candidate_logits = postprocess(candidate_logits)
         logits = torch.full(
             (num_rows, self.vocab_size), float("-inf"), dtype=candidate_logits.dtype, device=hidden.device
         )
-        logits.scatter_(1, token_ids, candidate_logits)
+        if flash_index is None:
+            logits.scatter_(1, token_ids, candidate_logits)
+        else:
+            flat_ids = token_ids + (flash_index * self.vocab_size).unsqueeze(1)
+            logits.view(-1).scatter_(0, flat_ids.flatten(), candidate_logits.flatten())
         self._timer.stop(token)
         if dense_rows.size:
             index = torch.from_numpy(dense_rows).to(hidden.device, non_blocking=True)
-            logits[index] = dense(hidden[index]).to(logits.dtype)
+            logits[index] = dense(hidden.index_select(0, index)).to(logits.dtype)
         self.counters.rows_flashhead += num_rows - int(dense_rows.size)
         return logits
 

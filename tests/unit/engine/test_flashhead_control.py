@@ -59,8 +59,13 @@ def test_rows_that_need_dense_get_vllm_logits_and_are_counted_by_reason(controll
     dense = _dense(weight)(hidden)
     torch.testing.assert_close(logits[1], dense[1])
     torch.testing.assert_close(logits[3], dense[3])
-    assert torch.isinf(logits[0]).any() and torch.isinf(logits[2]).any()
-    assert controller.counters.rows_flashhead == 2
+    for row in (0, 2):  # FlashHead rows: exact on their own candidates, -inf elsewhere
+        finite = torch.isfinite(logits[row])
+        assert CAP <= int(finite.sum()) <= 4 * CAP
+        torch.testing.assert_close(logits[row][finite], dense[row][finite])
+        alone = controller.compute_logits(hidden[row:row + 1], _rows([0]), _dense(weight), lambda x: x)
+        assert torch.equal(torch.isfinite(alone[0]), finite)
+    assert controller.counters.rows_flashhead == 4
     assert controller.counters.rows_dense == {"logprobs": 1, "structured_output": 1}
 
 
