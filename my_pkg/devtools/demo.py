@@ -79,7 +79,13 @@ def run(work: Path) -> int:
             completion = http.post("/v1/completions", json={
                 "model": str(model), "prompt": "the world and the sun", "max_tokens": 16, "temperature": 0,
             })
-            _show(completion, keep=600)
+            print(f"POST /v1/completions -> HTTP {completion.status_code}")
+            if completion.status_code == 200:
+                body = completion.json()
+                print(f"text (random weights, so gibberish): {body['choices'][0]['text']!r}")
+                print(f"usage: {body['usage']['prompt_tokens']} prompt + {body['usage']['completion_tokens']} completion tokens")
+            else:
+                print(completion.text)
 
             _title("4. Admin routes (Authorization: Bearer <token>)")
             for path in ("/plugins/my_pkg/health", "/plugins/my_pkg/workers", "/plugins/my_pkg/config/scheduler",

@@ -9,13 +9,14 @@ import math
 import numbers
 from typing import Any
 
-_SECRET_WORDS = ("token", "api_key", "apikey", "secret", "password")
+_SECRET_WORDS = ("api_key", "apikey", "secret", "password")
 REDACTED = "<redacted>"
 
 
 def _is_secret(name: str) -> bool:
+    """`hf_token`, `api_key`, `client_secret`...; not `max_num_batched_tokens` or `tokenizer`."""
     lowered = name.lower()
-    return any(word in lowered for word in _SECRET_WORDS)
+    return lowered.endswith("token") or any(word in lowered for word in _SECRET_WORDS)
 
 
 def plain(value: Any) -> Any:

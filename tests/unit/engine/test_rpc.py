@@ -62,7 +62,9 @@ def test_config_sections_are_json_safe(worker, section):
 
 def test_config_values_and_secret_redaction(worker):
     assert rpc.my_pkg_config(worker, "cache")["config"]["block_size"] == 16
-    assert rpc.my_pkg_config(worker, "scheduler")["config"]["max_num_seqs"] >= 1
+    scheduler = rpc.my_pkg_config(worker, "scheduler")["config"]
+    assert scheduler["max_num_seqs"] >= 1
+    assert isinstance(scheduler["max_num_batched_tokens"], int)  # "tokens" is not a secret
     model = rpc.my_pkg_config(worker, "model")["config"]
     assert model["hf_token"] == REDACTED
     assert "hf_secret_value" not in json.dumps(model)
