@@ -255,3 +255,15 @@ def fake_engine_cls():
 @pytest.fixture
 def unknown_method_text():
     return not_implemented_text
+
+
+ADMIN_TOKEN = "s3cret"
+
+
+@pytest.fixture
+async def app_client(monkeypatch, engine, make_app, client_for):
+    """A client of an app whose admin token is ADMIN_TOKEN, sending that token."""
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", ADMIN_TOKEN)
+    app = await make_app(engine)
+    async with client_for(app, token=ADMIN_TOKEN) as c:
+        yield c

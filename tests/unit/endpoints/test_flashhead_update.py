@@ -6,16 +6,8 @@ import pytest
 
 pytestmark = pytest.mark.anyio
 
-TOKEN = "s3cret"
 URL = "/plugins/my_pkg/flashhead"
 
-
-@pytest.fixture
-async def app_client(monkeypatch, engine, make_app, client_for):
-    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
-    app = await make_app(engine)
-    async with client_for(app, token=TOKEN) as c:
-        yield c
 
 
 def _state(engine):

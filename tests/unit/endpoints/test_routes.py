@@ -23,15 +23,8 @@ ROUTES = [
     ("GET", "/plugins/my_pkg/metrics", None),
     ("PUT", "/plugins/my_pkg/flashhead", {"n_probes": 2}),
 ]
-TOKEN = "s3cret"
+TOKEN = "s3cret"  # the token of the conftest's app_client
 
-
-@pytest.fixture
-async def app_client(monkeypatch, engine, make_app, client_for):
-    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
-    app = await make_app(engine)
-    async with client_for(app, token=TOKEN) as c:
-        yield c
 
 
 # ------------------------------------------------------------------ shapes
