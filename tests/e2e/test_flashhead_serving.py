@@ -194,8 +194,9 @@ def test_put_is_forbidden_when_no_token_is_configured(endpoint_only_server):
 def test_batch_threshold_sends_big_batches_dense(fh, flashhead_server):
     assert _put(fh, {"dense_batch_threshold": 1}).status_code == 200
     before = _status(fh)["counters"]["rows_dense"].get("batch_threshold", 0)
-    _complete_all(fh, flashhead_server.model, PROMPTS, max_tokens=48)
-    assert _status(fh)["counters"]["rows_dense"].get("batch_threshold", 0) > before
+    # n=4 decodes four sequences in the same steps: every decode step has 4 rows.
+    _complete(fh, flashhead_server.model, PROMPTS[0], max_tokens=16, n=4, temperature=0.8)
+    assert _status(fh)["counters"]["rows_dense"].get("batch_threshold", 0) >= before + 4 * 15
 
 
 def test_metrics_expose_the_counters_by_rank(fh, flashhead_server):
