@@ -107,8 +107,6 @@ def _build(args) -> int:
 
 
 def _eval(args) -> int:
-    import torch
-
     from .flashhead import FlashHead
     from .flashhead.assets import load_assets, load_lm_head, read_config
     from .flashhead.evaluate import (capture_hidden_states, evaluate, format_table, load_hidden_states,

@@ -11,6 +11,7 @@ import math
 import os
 
 from my_pkg import PLUGIN_NAME
+from my_pkg.env import plugin_disabled
 
 # vLLM configures a handler on the "vllm" logger only (propagate=False), so a
 # child of it is what makes our messages show up in the server log with
@@ -38,8 +39,6 @@ ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 
 DEFAULT_RPC_TIMEOUT = 10.0
 
-#: Sections accepted by ``GET /plugins/my_pkg/config/{section}``.
-CONFIG_SECTIONS: tuple[str, ...] = ("scheduler", "model", "cache", "parallel")
 
 
 def rpc_timeout_from_env() -> float:
@@ -65,12 +64,6 @@ def rpc_timeout_from_env() -> float:
         )
         return DEFAULT_RPC_TIMEOUT
     return value
-
-
-def disabled_by_env() -> bool:
-    """True when ``MY_PKG_DISABLE`` is set to a true value ("1", "true", "yes",
-    "on"; the values the engine half accepts) in this process."""
-    return os.environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def vllm_plugins_allowlist() -> list[str] | None:
@@ -107,7 +100,7 @@ def diagnose_engine_half() -> tuple[str, str, str]:
             f"Add {ENGINE_PLUGIN_ENTRY} to {ENV_VLLM_PLUGINS} and restart the "
             f"server, e.g. {ENV_VLLM_PLUGINS}={wanted}.",
         )
-    if disabled_by_env():
+    if plugin_disabled():
         return (
             "disabled",
             f"The engine half of {PLUGIN_NAME} is disabled: "

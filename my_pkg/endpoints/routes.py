@@ -11,7 +11,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from my_pkg import PLUGIN_NAME, __version__
+from my_pkg import CONFIG_SECTIONS, PLUGIN_NAME, __version__
 from my_pkg.endpoints.auth import require_admin_auth
 from my_pkg.endpoints.client import (
     AdminHandler,
@@ -19,7 +19,6 @@ from my_pkg.endpoints.client import (
     not_initialised_error,
 )
 from my_pkg.endpoints.config import (
-    CONFIG_SECTIONS,
     ROUTE_PREFIX,
     STATE_ATTR,
     logger,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from importlib import import_module
 
-from my_pkg.engine.env import plugin_disabled
+from my_pkg.env import plugin_disabled
 
 logger = logging.getLogger(f"vllm.{__name__}")
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from my_pkg.engine.env import env_flag, env_int
+from my_pkg.env import env_flag, env_int
 
 logger = logging.getLogger(f"vllm.{__name__}")
 

@@ -20,15 +20,9 @@ import os
 import socket
 from typing import Any, Callable
 
-from my_pkg import PLUGIN_NAME, __version__
+from my_pkg import CONFIG_SECTIONS, PLUGIN_NAME, __version__
 from my_pkg.engine.jsonable import plain, to_jsonable
 
-CONFIG_SECTIONS = {
-    "scheduler": "scheduler_config",
-    "model": "model_config",
-    "cache": "cache_config",
-    "parallel": "parallel_config",
-}
 
 
 def _rank(worker: Any) -> int:
@@ -123,7 +117,7 @@ def my_pkg_config(self: Any, section: str) -> dict[str, Any]:
         raise ValueError(
             f"unknown config section {section!r}; valid: {', '.join(CONFIG_SECTIONS)}"
         )
-    config = getattr(self, CONFIG_SECTIONS[section], None)
+    config = getattr(self, f"{section}_config", None)
     return {"rank": _rank(self), "section": section, "config": to_jsonable(config)}
 
 

@@ -1,5 +1,3 @@
-import torch
-
 from my_pkg.flashhead import FlashHead, balanced_kmeans
 from my_pkg.flashhead.clustering import random_balanced_assignment, score_centroids
 from my_pkg.flashhead.evaluate import evaluate, synthetic_head, synthetic_hidden_states

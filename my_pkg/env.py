@@ -1,4 +1,4 @@
-"""Environment variables read by the engine half (documented in docs/configuration.md)."""
+"""Parsing of my_pkg's environment variables, shared by both halves (see docs/configuration.md)."""
 
 from __future__ import annotations
 
