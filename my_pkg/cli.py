@@ -106,11 +106,15 @@ def _build(args) -> int:
     return 0
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _eval(args) -> int:
     from .flashhead import FlashHead
     from .flashhead.assets import load_assets, load_lm_head, read_config
-    from .flashhead.evaluate import (capture_hidden_states, evaluate, format_table, load_hidden_states,
-                                     synthetic_hidden_states)
+    from .flashhead.evaluate import (capture_hidden_states, dense_agreement, evaluate, format_table,
+                                     load_hidden_states, synthetic_hidden_states)
 
     device = _device(args.device)
     config = read_config(args.model_dir)
@@ -135,12 +139,17 @@ def _eval(args) -> int:
                   "pass --hidden-states or --text for real ones)")
     if hidden.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise CliError(f"hidden states must be [N, {weight.shape[1]}], got {tuple(hidden.shape)}")
-    hidden = hidden[: args.samples].to(device, weight.dtype)
+    hidden = hidden[: args.samples].to(device)
     head = FlashHead(weight.to(device), cent, assign, vocab_size=v, n_probes=1)
     probes = sorted({min(p, head.num_clusters) for p in args.probes})
     rows, dense_ms = evaluate(head, hidden, probes)
     print(f"{source}; {hidden.shape[0]} samples; vocab {v:,}, {head.num_clusters:,} clusters of "
           f"{head.cluster_size}, backend {head.backend}, device {device}")
+    print(f"reference: dense head in float32 (hidden states {_dtype_name(hidden.dtype)}); FlashHead "
+          f"chooses clusters in {_dtype_name(weight.dtype)}, as served; a tie with the maximum agrees")
+    if weight.is_floating_point() and weight.element_size() < 4:
+        print(f"for comparison, the dense head in {_dtype_name(weight.dtype)} picks a float32 argmax on "
+              f"{dense_agreement(head, hidden):.2%} of rows (rounding, not FlashHead)")
     print(format_table(rows, dense_ms, v))
     return 0
 

@@ -119,3 +119,41 @@ def build_tiny_llama(path: str | Path, spec: TinyLlamaSpec = TinyLlamaSpec()) ->
     _build_tokenizer(spec.vocab_size).save_pretrained(path)
     marker.write_text(wanted)
     return path
+
+
+def build_tiny_lora(path: str | Path, base_model: str | Path, rank: int = 8, seed: int = 1) -> Path:
+    """Write a random PEFT LoRA adapter (q_proj and v_proj of every layer) for `base_model`.
+
+    The adapter is strong enough to change greedy outputs, so a request that
+    names it visibly runs through vLLM's LoRA path.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    path, base_model = Path(path), Path(base_model)
+    config = json.loads((base_model / "config.json").read_text())
+    hidden = config["hidden_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    out_features = {"q_proj": hidden, "v_proj": config["num_key_value_heads"] * head_dim}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in out_features.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) / hidden**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=generator)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model),
+        "r": rank,
+        "lora_alpha": rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(out_features),
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }, indent=2))
+    return path

@@ -1,15 +1,26 @@
-"""Per-app state of the plugin: the engine client, tokens and RPC settings."""
+"""Per-app state of the plugin: the engine client, tokens and RPC settings.
+
+How a worker RPC is waited for (why: a late reply must never reach vLLM):
+vLLM's executor matches RPC replies to calls by order, not by id, so when its
+own `collective_rpc` timeout expires the worker's late reply is read as the
+answer to the *next* call, which can be a model step and kills the engine.
+The plugin therefore never passes a timeout to vLLM. The engine-side call runs
+until the workers answer (or the engine dies, which fails it); the API server
+bounds only its own wait (`MY_PKG_RPC_TIMEOUT`, 504 when it expires) and drops
+the late result itself. Identical read calls in flight are coalesced
+(single-flight), so a stalled worker does not pile up RPCs behind it.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from my_pkg.endpoints.auth import TokenSet
-from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, logger
+from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, ENV_RPC_TIMEOUT, logger
 from my_pkg.endpoints.errors import AdminAPIError, classify_rpc_error
 
 if TYPE_CHECKING:
@@ -18,12 +29,41 @@ if TYPE_CHECKING:
 #: Prefix of every worker method of the engine half.
 RPC_PREFIX = "my_pkg_"
 
+T = TypeVar("T")
+UPDATE_KEY = "flashhead_update"
 
-def guard_timeout(timeout_s: float) -> float:
-    """Outer ``asyncio.wait_for`` bound: a little above the engine-side one,
-    so that the executor's own timeout (with its clearer message) normally
-    fires first."""
-    return timeout_s + min(timeout_s, 2.0)
+
+class SingleFlight:
+    """At most one running task per key; callers wait for it with their own bound.
+
+    A caller that gives up (timeout, client gone) never cancels the task: it
+    runs to completion and its result is dropped if nobody waits any more.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: dict[Hashable, asyncio.Task[Any]] = {}
+
+    def in_flight(self, key: Hashable) -> bool:
+        task = self._tasks.get(key)
+        return task is not None and not task.done()
+
+    def start(self, key: Hashable, make: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
+        """The running task for `key`, or a new one made by `make()`."""
+        task = self._tasks.get(key)
+        if task is None or task.done():
+            task = asyncio.ensure_future(make())
+            self._tasks[key] = task
+            task.add_done_callback(lambda done: self._forget(key, done))
+        return task
+
+    def _forget(self, key: Hashable, task: asyncio.Task[Any]) -> None:
+        if self._tasks.get(key) is task:
+            del self._tasks[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here, so an abandoned failure is not logged as unhandled
+
+    def __len__(self) -> int:
+        return sum(not task.done() for task in self._tasks.values())
 
 
 class AdminHandler:
@@ -43,32 +83,54 @@ class AdminHandler:
         self.engine_client = engine_client
         self.tokens = tokens
         self.rpc_timeout = float(rpc_timeout)
-        # Serialises validate+apply sequences so that two updates cannot
-        # interleave between validation and application.
-        self.update_lock = asyncio.Lock()
+        #: Engine-side work still running: read calls keyed by (method, args),
+        #: the one FlashHead update (validate, then apply) by ``UPDATE_KEY``.
+        self.in_flight = SingleFlight()
 
     @property
     def has_engine(self) -> bool:
         return self.engine_client is not None
 
-    async def call(self, method: str, *args: Any) -> list[Any]:
-        """``collective_rpc(method, args)`` with a bounded timeout."""
-        if not method.startswith(RPC_PREFIX):  # programming error guard
-            raise ValueError(f"not a {RPC_PREFIX}* worker method: {method}")
+    def check_engine_alive(self) -> None:
+        """503 at once when vLLM already knows its engine is dead."""
         if self.engine_client is None:
             raise no_engine_error()
-        timeout = self.rpc_timeout
+        if getattr(self.engine_client, "errored", False) is True:
+            raise engine_dead_error()
+
+    async def wait(self, task: asyncio.Task[T], what: str) -> T:
+        """Wait at most ``rpc_timeout`` for ``task`` without ever cancelling it."""
         try:
-            result = await asyncio.wait_for(
-                self.engine_client.collective_rpc(
-                    method, timeout=timeout, args=tuple(args)
-                ),
-                timeout=guard_timeout(timeout),
-            )
+            return await asyncio.wait_for(asyncio.shield(task), timeout=self.rpc_timeout)
+        except asyncio.TimeoutError as exc:
+            if task.done():
+                raise  # the task's own failure, already an AdminAPIError
+            raise rpc_timeout_error(what, self.rpc_timeout) from exc
+
+    async def call(self, method: str, *args: Hashable) -> list[Any]:
+        """``collective_rpc(method, args)``: bounded wait here, none in vLLM.
+
+        An identical call already in flight is joined instead of sending
+        another one, so only side-effect-free methods go through here.
+        """
+        self.check_engine_alive()
+        task = self.in_flight.start((method, args), lambda: self.call_unbounded(method, *args))
+        return await self.wait(task, f"Worker RPC {method}")
+
+    async def call_unbounded(self, method: str, *args: Any) -> list[Any]:
+        """The engine-side call itself: waits for as long as the workers take.
+
+        Only run it inside a task that :meth:`wait` bounds (see :meth:`call`).
+        """
+        if not method.startswith(RPC_PREFIX):  # programming error guard
+            raise ValueError(f"not a {RPC_PREFIX}* worker method: {method}")
+        try:
+            # No `timeout=`: see the module docstring.
+            result = await self.engine_client.collective_rpc(method, args=tuple(args))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            error = classify_rpc_error(exc, method, timeout)
+            error = classify_rpc_error(exc, method, self.rpc_timeout)
             logger.warning(
                 "Worker RPC %s failed (%s): %s", method, error.status_code, exc
             )
@@ -81,11 +143,10 @@ class AdminHandler:
             raise unexpected_reply_error(method, "no worker answered")
         return list(result)
 
-    async def call_parsed(self, method: str, model: type[BaseModel], *args: Any) -> list[Any]:
+    async def call_parsed(self, method: str, model: type[BaseModel], *args: Hashable) -> list[Any]:
         """Like :meth:`call`, validating every worker's reply with ``model``
         and returning them sorted by rank."""
-        replies = await self.call(method, *args)
-        return parse_replies(method, model, replies)
+        return parse_replies(method, model, await self.call(method, *args))
 
 
 def parse_replies(method: str, model: type[BaseModel], replies: list[Any]) -> list[Any]:
@@ -125,6 +186,28 @@ def no_engine_error() -> AdminAPIError:
         "my_pkg admin routes cannot reach any worker.",
         type="engine_unavailable",
         hint="Use the admin routes on a vLLM server that runs a model.",
+    )
+
+
+def engine_dead_error() -> AdminAPIError:
+    return AdminAPIError(
+        503,
+        "The engine is not running (vLLM reports it as errored).",
+        type="engine_dead",
+        hint="See the server log for the root cause; restart the server.",
+    )
+
+
+def rpc_timeout_error(what: str, timeout_s: float) -> AdminAPIError:
+    return AdminAPIError(
+        504,
+        f"{what} did not complete within {timeout_s:g} s.",
+        type="timeout_error",
+        hint=(
+            "The workers may be busy or stalled; the call is still pending in the "
+            "engine and its late reply will be dropped. Check the server log; raise "
+            f"{ENV_RPC_TIMEOUT} if the workers are merely slow."
+        ),
     )
 
 

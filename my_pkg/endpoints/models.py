@@ -122,6 +122,7 @@ class FlashHeadStatus(_WorkerReply):
     available: bool
     active: bool
     reason: str | None = None
+    reason_code: str | None = None
     enabled: bool
     num_clusters: int | None = None
     cluster_size: int | None = None

@@ -14,9 +14,11 @@ from starlette.responses import Response
 from my_pkg import CONFIG_SECTIONS, PLUGIN_NAME, __version__
 from my_pkg.endpoints.auth import require_admin_auth
 from my_pkg.endpoints.client import (
+    UPDATE_KEY,
     AdminHandler,
     no_engine_error,
     not_initialised_error,
+    parse_replies,
 )
 from my_pkg.endpoints.config import (
     ROUTE_PREFIX,
@@ -227,7 +229,10 @@ def build_router() -> APIRouter:
         "/flashhead",
         response_model=FlashHeadUpdateResponse,
         responses={
-            409: _error_doc("FlashHead is not available on this model."),
+            409: _error_doc(
+                "FlashHead is not available on this model, or another update is "
+                "still in progress."
+            ),
             422: _error_doc(
                 "Invalid body, or the update was rejected by a worker "
                 "(nothing applied)."
@@ -239,34 +244,30 @@ def build_router() -> APIRouter:
         body: FlashHeadUpdate, request: Request
     ) -> FlashHeadUpdateResponse:
         handler = get_handler(request)
+        handler.check_engine_alive()
         update = body.to_update()
-        async with handler.update_lock:
-            checks = await handler.call_parsed(
-                "my_pkg_flashhead_validate", ValidationReply, update
+        if handler.in_flight.in_flight(UPDATE_KEY):
+            raise AdminAPIError(
+                409,
+                "Another FlashHead update is still in progress (the workers have not "
+                "answered it yet); nothing was applied.",
+                type="update_in_progress",
+                hint=f"Retry later; GET {ROUTE_PREFIX}/flashhead shows the settings in force.",
+                update=update,
             )
-            failing = [
-                {"rank": c.rank, "errors": list(c.errors)} for c in checks if c.errors
-            ]
-            if failing:
-                raise await _rejected(handler, update, failing)
-            try:
-                statuses = await handler.call_parsed(
-                    "my_pkg_flashhead_apply", FlashHeadStatus, update
-                )
-            except AdminAPIError as exc:
-                logger.error(
-                    "FlashHead update %s passed validation but applying it failed; "
-                    "workers may now differ: %s",
-                    update,
-                    exc.message,
-                )
+        # Validation and application run as one task that is never cancelled, so
+        # an update whose wait expires is applied on every worker or on none.
+        task = handler.in_flight.start(UPDATE_KEY, lambda: _update(handler, update))
+        try:
+            statuses = await handler.wait(task, "The FlashHead update")
+        except AdminAPIError as exc:
+            if exc.status_code == 504:
                 exc.extra["note"] = (
-                    "Validation passed on every worker but applying failed; the "
-                    "workers may now differ. Check GET "
-                    f"{ROUTE_PREFIX}/flashhead and retry."
+                    "The update is still pending in the engine: it is applied on every "
+                    "worker (or on none, if one rejects it) once the workers answer. "
+                    f"Check GET {ROUTE_PREFIX}/flashhead."
                 )
-                raise
-        logger.info("FlashHead update applied on %d worker(s): %s", len(statuses), update)
+            raise
         return FlashHeadUpdateResponse(
             applied=update, num_workers=len(statuses), workers=statuses
         )
@@ -288,6 +289,36 @@ def build_router() -> APIRouter:
         return Response(render_metrics(statuses), media_type=CONTENT_TYPE)
 
     return router
+
+
+async def _update(handler: AdminHandler, update: dict[str, Any]) -> list[FlashHeadStatus]:
+    """Validate ``update`` on every worker, then apply it on every worker."""
+    checks = parse_replies(
+        "my_pkg_flashhead_validate", ValidationReply,
+        await handler.call_unbounded("my_pkg_flashhead_validate", update),
+    )
+    failing = [{"rank": c.rank, "errors": list(c.errors)} for c in checks if c.errors]
+    if failing:
+        raise await _rejected(handler, update, failing)
+    try:
+        statuses = parse_replies(
+            "my_pkg_flashhead_apply", FlashHeadStatus,
+            await handler.call_unbounded("my_pkg_flashhead_apply", update),
+        )
+    except AdminAPIError as exc:
+        logger.error(
+            "FlashHead update %s passed validation but applying it failed; "
+            "workers may now differ: %s",
+            update,
+            exc.message,
+        )
+        exc.extra["note"] = (
+            "Validation passed on every worker but applying failed; the "
+            f"workers may now differ. Check GET {ROUTE_PREFIX}/flashhead and retry."
+        )
+        raise
+    logger.info("FlashHead update applied on %d worker(s): %s", len(statuses), update)
+    return statuses
 
 
 async def _rejected(

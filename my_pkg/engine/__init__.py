@@ -15,7 +15,8 @@ from my_pkg.env import plugin_disabled
 logger = logging.getLogger(f"vllm.{__name__}")
 
 # Applied in order; each is independent, so one that fails leaves the others in place.
-PATCHES = ("worker", "model_registry", "logits_processor")
+# `logits_processor` and `model_runner` are applied later, only for a FlashHead model.
+PATCHES = ("worker", "model_registry")
 
 _applied: dict[str, bool] = {}
 _registered = False

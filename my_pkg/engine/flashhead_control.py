@@ -194,6 +194,7 @@ class FlashHeadController:
         vocab_size: int,
         device_type: str,
         unavailable_reason: str | None = None,
+        unavailable_code: str | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.counters = FlashHeadCounters()
@@ -204,9 +205,11 @@ class FlashHeadController:
         self._centroids = centroids
         self._assignments = assignments
         self.unavailable_reason = unavailable_reason
+        self.unavailable_code = (unavailable_code or "unavailable") if unavailable_reason else None
         if unavailable_reason is None and (centroids is None or assignments is None):
-            self.unavailable_reason = "no FlashHead assets"
+            self.unavailable_reason, self.unavailable_code = "no FlashHead assets", "no_assets"
         if self.unavailable_reason is None and int(assignments.shape[0]) != vocab_size:
+            self.unavailable_code = "assets_mismatch"
             self.unavailable_reason = (
                 f"FlashHead assets do not match the model: cluster_assignments covers "
                 f"{assignments.shape[0]} tokens, the vocabulary has {vocab_size}"
@@ -224,7 +227,7 @@ class FlashHeadController:
     @classmethod
     def from_model_dir(
         cls, model_dir: str | None, config: dict[str, Any], *, vocab_size: int, device_type: str,
-        unavailable_reason: str | None = None,
+        unavailable_reason: str | None = None, unavailable_code: str | None = None,
     ) -> "FlashHeadController":
         """Read the assets named by config.json; a failure leaves the controller unavailable."""
         centroids = assignments = None
@@ -237,9 +240,10 @@ class FlashHeadController:
                 centroids, assignments = load_assets(Path(model_dir), config)
             except Exception as exc:  # noqa: BLE001 - bad assets mean dense, never a crash
                 unavailable_reason = f"FlashHead assets could not be loaded: {exc}"
+                unavailable_code = "assets_invalid"
         return cls(
             centroids=centroids, assignments=assignments, config=config, vocab_size=vocab_size,
-            device_type=device_type, unavailable_reason=unavailable_reason,
+            device_type=device_type, unavailable_reason=unavailable_reason, unavailable_code=unavailable_code,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -271,6 +275,7 @@ class FlashHeadController:
             )
         except Exception as exc:  # noqa: BLE001
             self.unavailable_reason = f"FlashHead could not be built: {exc}"
+            self.unavailable_code = "build_failed"
             logger.warning("my_pkg: FlashHead not active, dense head in use: %s", self.unavailable_reason)
         finally:
             self._centroids = self._assignments = None
@@ -282,9 +287,9 @@ class FlashHeadController:
                 self.head.backend, self.head.extra_memory_bytes / 2**20,
             )
 
-    def make_unavailable(self, reason: str) -> None:
+    def make_unavailable(self, code: str, reason: str) -> None:
         if self.unavailable_reason is None:
-            self.unavailable_reason = reason
+            self.unavailable_reason, self.unavailable_code = reason, code
             logger.warning("my_pkg: FlashHead not active, dense head in use: %s", reason)
 
     # ---- one decode step -------------------------------------------------------------------
@@ -300,6 +305,13 @@ class FlashHeadController:
         """The rows of the armed step, once; None for any other logits call."""
         source, self._step_source = self._step_source, None
         return source() if source is not None else None
+
+    def serve_step_dense(self, num_rows: int, reason: str) -> None:
+        """Consume the armed step, if any, as `num_rows` rows served dense for `reason`."""
+        source, self._step_source = self._step_source, None
+        if source is not None:
+            self.counters.steps += 1
+            self.counters.rows_dense[reason] += num_rows
 
     def compute_logits(
         self,
@@ -380,17 +392,18 @@ class FlashHeadController:
         head = self.head
         active = head is not None and self.settings.enabled
         if active:
-            reason = None
+            code, reason = None, None
         elif not self.available:
-            reason = self.unavailable_reason
+            code, reason = self.unavailable_code, self.unavailable_reason
         elif not self.settings.enabled:
-            reason = "disabled (MY_PKG_FLASHHEAD=0 or PUT enabled=false)"
+            code, reason = "disabled", "disabled (MY_PKG_FLASHHEAD=0 or PUT enabled=false)"
         else:
-            reason = "not built yet (built on the first decode step)"
+            code, reason = "not_built", "not built yet (built on the first decode step)"
         return {
             "available": self.available,
             "active": active,
             "reason": reason,
+            "reason_code": code,
             "enabled": self.settings.enabled,
             "num_clusters": self.num_clusters,
             "cluster_size": self.cluster_size,
@@ -432,12 +445,16 @@ class FlashHeadController:
         logger.info("my_pkg: FlashHead settings now %s", asdict(self.settings))
 
 
-def status_without_controller() -> dict[str, Any]:
-    """Status of a worker whose model has no FlashHead assets."""
+NO_ASSETS_REASON = "the model has no FlashHead assets (no flash_head_cache_dir in config.json)"
+
+
+def status_without_controller(code: str = "no_assets", reason: str = NO_ASSETS_REASON) -> dict[str, Any]:
+    """Status of a worker whose model has no FlashHead controller, for `reason`."""
     return {
         "available": False,
         "active": False,
-        "reason": "the model has no FlashHead assets (no flash_head_cache_dir in config.json)",
+        "reason": reason,
+        "reason_code": code,
         "enabled": False,
         "num_clusters": None,
         "cluster_size": None,
@@ -451,8 +468,8 @@ def status_without_controller() -> dict[str, Any]:
     }
 
 
-def validate_without_controller() -> list[str]:
-    return [status_without_controller()["reason"]]
+def validate_without_controller(reason: str = NO_ASSETS_REASON) -> list[str]:
+    return [reason]
 
 
 _NOT_FOUND = object()

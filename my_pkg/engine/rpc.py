@@ -127,12 +127,21 @@ def _controller(worker: Any):
     return find_controller(worker)
 
 
+def _no_controller_reason() -> tuple[str, str]:
+    """Why this worker has no FlashHead controller: `(code, message)`."""
+    from my_pkg.engine.flashhead_control import NO_ASSETS_REASON
+    from my_pkg.engine.patches.logits_processor import slot_taken_reason
+
+    taken = slot_taken_reason()
+    return ("logits_processor_taken", taken) if taken else ("no_assets", NO_ASSETS_REASON)
+
+
 def my_pkg_flashhead_status(self: Any) -> dict[str, Any]:
     """FlashHead state and counters of this worker."""
     from my_pkg.engine.flashhead_control import status_without_controller
 
     controller = _controller(self)
-    status = controller.status() if controller is not None else status_without_controller()
+    status = controller.status() if controller is not None else status_without_controller(*_no_controller_reason())
     return {"rank": _rank(self), "pid": os.getpid(), **status}
 
 
@@ -141,7 +150,10 @@ def my_pkg_flashhead_validate(self: Any, update: dict[str, Any]) -> dict[str, An
     from my_pkg.engine.flashhead_control import validate_without_controller
 
     controller = _controller(self)
-    errors = controller.validate(update) if controller is not None else validate_without_controller()
+    if controller is not None:
+        errors = controller.validate(update)
+    else:
+        errors = validate_without_controller(_no_controller_reason()[1])
     return {"rank": _rank(self), "errors": errors}
 
 

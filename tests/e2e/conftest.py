@@ -14,9 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from e2e_support import API_KEY, BOTH_HALVES, CLUSTER_SIZE, DEFAULT_PROBES, MODEL_SPEC
+from e2e_support import (
+    ADMIN_TOKEN,
+    API_KEY,
+    BOTH_HALVES,
+    CLUSTER_SIZE,
+    DEFAULT_PROBES,
+    LORA_NAME,
+    MODEL_SPEC,
+    RPC_TIMEOUT,
+)
 from my_pkg.devtools.server import VllmServer
-from my_pkg.devtools.tiny_model import build_tiny_llama
+from my_pkg.devtools.tiny_model import build_tiny_llama, build_tiny_lora
 
 
 def _server(model: Path, logs: Path, name: str, env: dict[str, str | None], args: list[str] = ()) -> VllmServer:
@@ -63,7 +72,8 @@ def logs_dir(e2e_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def flashhead_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """Both halves allowlisted, `--api-key` set, FlashHead model in float32."""
-    with _server(flashhead_model, logs_dir, "flashhead", {"VLLM_PLUGINS": BOTH_HALVES},
+    with _server(flashhead_model, logs_dir, "flashhead",
+                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
                  ["--api-key", API_KEY]) as server:
         yield server
 
@@ -87,7 +97,92 @@ def tp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """Tensor parallel 2 on CPU (two worker processes), both halves, token via MY_PKG_ADMIN_TOKEN."""
     with _server(
         flashhead_model, logs_dir, "tp2",
-        {"VLLM_PLUGINS": BOTH_HALVES, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "MY_PKG_ADMIN_TOKEN": "tp2-token"},
+        {"VLLM_PLUGINS": BOTH_HALVES, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "MY_PKG_ADMIN_TOKEN": "tp2-token",
+         "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
         ["--tensor-parallel-size", "2"],
     ) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(base_model: Path, e2e_dir: Path) -> Path:
+    return build_tiny_lora(e2e_dir / "tiny-lora", base_model)
+
+
+def _lora_args(adapter: Path) -> list[str]:
+    return ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={adapter}"]
+
+
+@pytest.fixture(scope="session")
+def lora_plain_server(base_model: Path, lora_adapter: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """`--enable-lora` on the standard model, both halves loaded."""
+    with _server(base_model, logs_dir, "lora-plain",
+                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
+                 _lora_args(lora_adapter)) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def lora_flashhead_server(flashhead_model: Path, lora_adapter: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """`--enable-lora` on the FlashHead model (same weights), both halves loaded."""
+    with _server(flashhead_model, logs_dir, "lora-flashhead",
+                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
+                 _lora_args(lora_adapter)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def features_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """FlashHead with prefix caching and a small chunked-prefill budget; killed by its last test."""
+    with _server(flashhead_model, logs_dir, "features",
+                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
+                 ["--enable-prefix-caching", "--enable-chunked-prefill",
+                  "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pooling_server(base_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """The model served as an embedding model, with both halves loaded."""
+    with _server(base_model, logs_dir, "pooling", {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
+                 ["--runner", "pooling", "--convert", "embed"]) as server:
+        yield server
+
+
+OTHER_PLUGIN = '''"""A general plugin that also replaces vLLM's LogitsProcessor, loaded after my_pkg."""
+
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+
+class OtherPluginLogitsProcessor(LogitsProcessor):
+    pass
+
+
+def register():
+    import my_pkg.engine
+
+    my_pkg.engine.register()  # my_pkg first: the order in which a duplicate used to kill start-up
+    LogitsProcessor.register_oot(OtherPluginLogitsProcessor)
+'''
+
+
+@pytest.fixture(scope="session")
+def other_plugin_path(e2e_dir: Path) -> Path:
+    """A second installed distribution with a `vllm.general_plugins` entry point (via PYTHONPATH)."""
+    root = e2e_dir / "other-plugin"
+    info = root / "other_logits_plugin-0.1.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (root / "other_logits_plugin.py").write_text(OTHER_PLUGIN)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-logits-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nother_logits = other_logits_plugin:register\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def other_plugin_server(flashhead_model: Path, other_plugin_path: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """The FlashHead model with both halves and another plugin that owns LogitsProcessor."""
+    pythonpath = os.pathsep.join(filter(None, [str(other_plugin_path), os.environ.get("PYTHONPATH")]))
+    with _server(flashhead_model, logs_dir, "other-plugin",
+                 {"VLLM_PLUGINS": f"other_logits,{BOTH_HALVES}", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
+                  "PYTHONPATH": pythonpath}) as server:
         yield server

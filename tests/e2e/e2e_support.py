@@ -8,6 +8,10 @@ from my_pkg.devtools.server import VllmServer
 from my_pkg.devtools.tiny_model import TinyLlamaSpec
 
 API_KEY = "e2e-api-key"
+ADMIN_TOKEN = "e2e-admin-token"
+LORA_NAME = "tiny-lora"
+#: How long the API server waits for the workers (MY_PKG_RPC_TIMEOUT) on the servers that stall tests pause.
+RPC_TIMEOUT = "4"
 BOTH_HALVES = "my_pkg_engine,my_pkg_admin"
 MODEL_SPEC = TinyLlamaSpec(vocab_size=4096, hidden_size=128, num_hidden_layers=2)
 CLUSTER_SIZE = 16

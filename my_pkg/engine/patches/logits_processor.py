@@ -2,8 +2,18 @@
 
 Uses vLLM's official replacement point: `LogitsProcessor` is a
 `PluggableLayer`, and `register_oot` makes every later `LogitsProcessor(...)`
-build our subclass. For a model without FlashHead assets the subclass holds no
-controller and every call goes straight to vLLM's own `forward`.
+build our subclass. The registration is deferred until a FlashHead
+architecture is resolved (`patches/model_registry.py`), that is after every
+general plugin has loaded and right before the model is built, so that:
+
+- a process that never builds a FlashHead model keeps vLLM's class untouched;
+- another plugin that also replaces `LogitsProcessor` keeps its slot (vLLM
+  asserts on a second registration and does not catch it): FlashHead then stays
+  off with the reason in the status route, and the server runs as that plugin wants.
+
+`forward` may be called with another `self` than our instance: vLLM's LoRA
+wrapper calls `type(base_layer).forward(wrapper, ...)`. Such calls always go to
+vLLM's own `forward` bound to the wrapper (the adapters' logits are exact).
 """
 
 from __future__ import annotations
@@ -15,7 +25,9 @@ from typing import Any
 logger = logging.getLogger(f"vllm.{__name__}")
 
 TARGET = "vllm.model_executor.layers.logits_processor.LogitsProcessor"
+CONTROLLER_ATTR = "_my_pkg_flashhead"
 _subclass: type | None = None
+_slot_taken_reason: str | None = None
 
 
 def _resolve_model_dir(model_config: Any) -> str | None:
@@ -30,23 +42,30 @@ def _resolve_model_dir(model_config: Any) -> str | None:
         return None
 
 
-def _unsupported_reason(vllm_config: Any) -> str | None:
+def _unsupported_reason(vllm_config: Any) -> tuple[str, str] | None:
+    """`(code, message)` when this vLLM configuration cannot use FlashHead, else None."""
     parallel = vllm_config.parallel_config
     if getattr(parallel, "tensor_parallel_size", 1) > 1:
-        return "tensor parallel size > 1 (the head is sharded over ranks); dense head in use"
+        return "tensor_parallel", "tensor parallel size > 1 (the head is sharded over ranks); dense head in use"
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
-        return "pipeline parallel size > 1 is not supported; dense head in use"
+        return "pipeline_parallel", "pipeline parallel size > 1 is not supported; dense head in use"
     if getattr(vllm_config, "speculative_config", None) is not None:
-        return "speculative decoding is enabled (draft/verify rows need dense logits); dense head in use"
+        return "speculative_decoding", (
+            "speculative decoding is enabled (draft/verify rows need dense logits); dense head in use"
+        )
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "lora", (
+            "LoRA is enabled (adapters change the logits, which FlashHead cannot see); dense head in use"
+        )
     if getattr(vllm_config, "use_v2_model_runner", False):
-        return (
+        return "model_runner_v2", (
             "vLLM's Model Runner V2 is in use, which this plugin does not hook yet; "
             "set VLLM_USE_V2_MODEL_RUNNER=0 to use FlashHead"
         )
     model_config = vllm_config.model_config
     head_dtype = getattr(model_config, "head_dtype", None)
     if head_dtype is not None and head_dtype != model_config.dtype:
-        return f"head_dtype {head_dtype} differs from the model dtype {model_config.dtype}; dense head in use"
+        return "head_dtype", f"head_dtype {head_dtype} differs from the model dtype {model_config.dtype}; dense head in use"
     return None
 
 
@@ -65,20 +84,22 @@ def _make_controller(org_vocab_size: int) -> Any:
 
     from my_pkg.engine.flashhead_control import FlashHeadController
 
-    reason = _unsupported_reason(vllm_config)
-    if reason is None:
+    unsupported = _unsupported_reason(vllm_config)
+    if unsupported is None:
         try:
             from my_pkg.engine.patches import model_runner
 
             model_runner.apply()
         except Exception as exc:  # noqa: BLE001 - vLLM internals moved: stay dense
-            reason = f"vLLM's model runner could not be hooked ({exc}); dense head in use"
+            unsupported = ("runner_hook_failed", f"vLLM's model runner could not be hooked ({exc}); dense head in use")
+    code, reason = unsupported if unsupported is not None else (None, None)
     return FlashHeadController.from_model_dir(
         _resolve_model_dir(model_config),
         config,
         vocab_size=org_vocab_size,
         device_type=str(getattr(vllm_config.device_config, "device_type", "cpu")),
         unavailable_reason=reason,
+        unavailable_code=code,
     )
 
 
@@ -87,12 +108,28 @@ def _is_plain_weight(lm_head: Any) -> bool:
     return method in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
 
 
+def controller_of(layer: Any) -> tuple[Any, str | None]:
+    """`(controller, wrapper)` for a `forward` call whose `self` is `layer`.
+
+    `wrapper` is None when `layer` is our own processor, else the reason code
+    under which a wrapper's steps are served dense (`lora` for vLLM's LoRA wrapper).
+    """
+    own = layer.__dict__.get(CONTROLLER_ATTR)
+    if own is not None or _subclass is None or isinstance(layer, _subclass):
+        return own, None
+    base = getattr(layer, "base_layer", None)
+    controller = base.__dict__.get(CONTROLLER_ATTR) if base is not None else None
+    return controller, "lora" if "lora" in type(layer).__name__.lower() else "wrapped_head"
+
+
 def subclass() -> type:
     """Build (once) the `LogitsProcessor` subclass; vLLM is imported only here."""
     global _subclass
     if _subclass is not None:
         return _subclass
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    vllm_forward = LogitsProcessor.forward
 
     class FlashHeadLogitsProcessor(LogitsProcessor):
         """vLLM's `LogitsProcessor`, with FlashHead for decode steps of FlashHead models."""
@@ -116,34 +153,43 @@ def subclass() -> type:
             return logits
 
         def forward(self, lm_head, hidden_states, embedding_bias=None, skip_gather=False):  # type: ignore[override]
-            controller = self._my_pkg_flashhead
+            # `self` may be a wrapper (LoRA): only vLLM's forward, bound to `self`, is safe for it.
+            try:
+                controller, wrapper = controller_of(self)
+            except Exception:  # noqa: BLE001 - an unknown caller gets vLLM's behaviour
+                controller, wrapper = None, None
             if controller is None or skip_gather or embedding_bias is not None:
-                return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
+            if wrapper is not None:
+                controller.serve_step_dense(int(hidden_states.shape[0]), wrapper)
+                return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
             try:
                 rows = controller.take_step()
                 if rows is None:  # warm-up, prompt logprobs, drafter: vLLM's own head
-                    return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                    return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
                 if controller.head is None and controller.available:
                     if not _is_plain_weight(lm_head):
                         controller.make_unavailable(
-                            f"the LM head is quantized ({type(lm_head.quant_method).__name__}); dense head in use"
+                            "quantized_head",
+                            f"the LM head is quantized ({type(lm_head.quant_method).__name__}); dense head in use",
                         )
                     else:
                         controller.bind(lm_head.weight)
 
                 def dense(rows_hidden):
-                    return LogitsProcessor.forward(self, lm_head, rows_hidden)
+                    return vllm_forward(self, lm_head, rows_hidden)
 
                 return controller.compute_logits(hidden_states, rows, dense, self._postprocess)
             except Exception as exc:  # noqa: BLE001 - FlashHead must never take the engine down
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
-                return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
     _subclass = FlashHeadLogitsProcessor
     return _subclass
 
 
 def apply() -> None:
+    """Register the subclass; raises if another plugin already replaced `LogitsProcessor`."""
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
@@ -154,3 +200,19 @@ def apply() -> None:
     if current is not None:
         raise RuntimeError(f"LogitsProcessor is already replaced by {current.__module__}.{current.__qualname__}")
     LogitsProcessor.register_oot(ours)
+
+
+def ensure_applied() -> None:
+    """`apply()` for the model about to be built; never raises, warns once."""
+    global _slot_taken_reason
+    try:
+        apply()
+    except Exception as exc:  # noqa: BLE001 - another plugin's choice wins; FlashHead stays off
+        if _slot_taken_reason is None:
+            _slot_taken_reason = f"FlashHead cannot hook vLLM's logits: {exc}; dense head in use"
+            logger.warning("my_pkg: %s", _slot_taken_reason)
+
+
+def slot_taken_reason() -> str | None:
+    """Why the FlashHead logits processor could not be registered in this process, if it could not."""
+    return _slot_taken_reason

@@ -3,6 +3,10 @@
 A FlashHead checkpoint names `FlashHead<Base>` in config.json `architectures`;
 each maps to vLLM's own class for `<Base>`, so vLLM refuses such a model
 without this plugin and a standard model is never touched.
+
+Resolving a `FlashHead*` architecture (which vLLM does right before it builds
+the model) is also what registers the FlashHead logits processor
+(`patches/logits_processor.py`): nothing else in vLLM changes for other models.
 """
 
 from __future__ import annotations
@@ -33,9 +37,13 @@ def apply() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.registry import _LazyRegisteredModel
 
+    from my_pkg.engine.patches.flashhead_model_entry import FlashHeadRegisteredModel
+
     registered = ModelRegistry.models
+    entries = {}
     for flash_name, base in flashhead_architectures(set(registered)).items():
         entry = registered[base]
         if not isinstance(entry, _LazyRegisteredModel):
             raise RuntimeError(f"{base} is not a lazily registered vLLM model")
-        ModelRegistry.register_model(flash_name, f"{entry.module_name}:{entry.class_name}")
+        entries[flash_name] = FlashHeadRegisteredModel(entry.module_name, entry.class_name)
+    registered.update(entries)

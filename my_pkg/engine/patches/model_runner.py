@@ -14,6 +14,7 @@ Applied only when a FlashHead model is built. Hooks vLLM's V1 model runner
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,8 @@ from my_pkg.engine.flashhead_control import (
     controller_of_runner,
     request_dense_reason,
 )
+
+logger = logging.getLogger(f"vllm.{__name__}")
 
 TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner, vllm.v1.worker.gpu_input_batch.InputBatch"
 _DENSE_TABLE = "_my_pkg_dense_requests"
@@ -57,6 +60,29 @@ def step_rows(input_batch: Any) -> StepRows:
     return StepRows(dense_codes=codes, sampled=sampled)
 
 
+def _track(input_batch: Any, request: Any) -> None:
+    """Record why `request` needs dense rows, if it does (unclassifiable: dense)."""
+    try:
+        reason = request_dense_reason(getattr(request, "sampling_params", None))
+    except Exception:  # noqa: BLE001 - an odd request is served dense, never an error
+        reason = "unclassified"
+    table = input_batch.__dict__.setdefault(_DENSE_TABLE, {})
+    if reason is None:
+        table.pop(request.req_id, None)
+    else:
+        table[request.req_id] = DENSE_CODE[reason]
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(hook: str, exc: BaseException) -> None:
+    if hook not in _warned:
+        _warned.add(hook)
+        logger.warning("my_pkg: %s hook failed (%s: %s); vLLM's own behaviour kept", hook,
+                       type(exc).__name__, exc, exc_info=exc)
+
+
 def apply() -> None:
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -75,21 +101,19 @@ def apply() -> None:
     def add_request(self, request, *args, **kwargs):
         result = original_add(self, request, *args, **kwargs)
         try:
-            reason = request_dense_reason(getattr(request, "sampling_params", None))
-        except Exception:  # noqa: BLE001 - an odd request is served dense, never an error
-            reason = "unclassified"
-        table = self.__dict__.setdefault(_DENSE_TABLE, {})
-        if reason is None:
-            table.pop(request.req_id, None)
-        else:
-            table[request.req_id] = DENSE_CODE[reason]
+            _track(self, request)
+        except Exception as exc:  # noqa: BLE001 - vLLM's bookkeeping already happened; never raise into it
+            _warn_once("add_request", exc)
         return result
 
     @functools.wraps(original_remove)
     def remove_request(self, req_id, *args, **kwargs):
-        table = self.__dict__.get(_DENSE_TABLE)
-        if table:
-            table.pop(req_id, None)
+        try:
+            table = self.__dict__.get(_DENSE_TABLE)
+            if table:
+                table.pop(req_id, None)
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("remove_request", exc)
         return original_remove(self, req_id, *args, **kwargs)
 
     @functools.wraps(original_execute)

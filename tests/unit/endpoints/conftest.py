@@ -42,6 +42,7 @@ class FakeEngineClient:
 
     def __init__(self, world_size: int = 2, num_clusters: int = 16) -> None:
         self.world_size = world_size
+        self.errored = False
         self.calls: list[dict[str, Any]] = []
         self.errors: dict[str, BaseException] = {}
         self.delay = 0.0

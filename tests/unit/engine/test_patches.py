@@ -182,24 +182,97 @@ def test_a_failing_step_description_falls_back_to_dense(processor_and_head):
 
 
 @pytest.mark.parametrize(
-    ("change", "fragment"),
+    ("change", "code", "fragment"),
     [
-        ({"tensor_parallel_size": 2}, "tensor parallel"),
-        ({"pipeline_parallel_size": 2}, "pipeline parallel"),
-        ({"speculative_config": object()}, "speculative decoding"),
-        ({"use_v2_model_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=0"),
-        ({"head_dtype": torch.float32}, "head_dtype"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel", "tensor parallel"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel", "pipeline parallel"),
+        ({"speculative_config": object()}, "speculative_decoding", "speculative decoding"),
+        ({"lora_config": object()}, "lora", "LoRA is enabled"),
+        ({"use_v2_model_runner": True}, "model_runner_v2", "VLLM_USE_V2_MODEL_RUNNER=0"),
+        ({"head_dtype": torch.float32}, "head_dtype", "head_dtype"),
     ],
 )
-def test_unsupported_configurations_are_dense_with_a_reason(change, fragment):
+def test_unsupported_configurations_are_dense_with_a_reason(change, code, fragment):
     parallel = SimpleNamespace(tensor_parallel_size=change.get("tensor_parallel_size", 1),
                                pipeline_parallel_size=change.get("pipeline_parallel_size", 1))
     model = SimpleNamespace(dtype=torch.bfloat16, head_dtype=change.get("head_dtype"))
     config = SimpleNamespace(parallel_config=parallel, model_config=model,
                              speculative_config=change.get("speculative_config"),
+                             lora_config=change.get("lora_config"),
                              use_v2_model_runner=change.get("use_v2_model_runner", False))
-    assert fragment in logits_processor._unsupported_reason(config)
+    found_code, message = logits_processor._unsupported_reason(config)
+    assert found_code == code and fragment in message
     plain = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
                             model_config=SimpleNamespace(dtype=torch.bfloat16, head_dtype=None),
-                            speculative_config=None, use_v2_model_runner=False)
+                            speculative_config=None, lora_config=None, use_v2_model_runner=False)
     assert logits_processor._unsupported_reason(plain) is None
+
+
+def _lora_wrapper(base_layer, monkeypatch):
+    """vLLM's real LoRA wrapper around `base_layer`, as `--enable-lora` builds it (no adapter loaded)."""
+    from vllm.lora.layers import logits_processor as lora_layer
+
+    monkeypatch.setattr(lora_layer, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(lora_layer, "get_tensor_model_parallel_rank", lambda: 0, raising=False)
+    monkeypatch.setattr(base_layer, "_gather_logits", lambda logits: logits)  # TP=1, no process group here
+    return lora_layer.LogitsProcessorWithLoRA(base_layer, HIDDEN, torch.float32, torch.device("cpu"), None)
+
+
+class _NoLoRA:
+    """The LoRA kernels' wrapper with no active adapter: logits unchanged."""
+
+    def add_lora_logits(self, logits, *args, **kwargs):
+        return logits
+
+
+@pytest.mark.parametrize("with_controller", [False, True], ids=["plain model", "FlashHead model"])
+def test_the_lora_wrapper_gets_vllms_own_logits(processor_and_head, with_controller, monkeypatch):
+    processor, lm_head = processor_and_head
+    controller = processor._my_pkg_flashhead
+    if not with_controller:
+        processor._my_pkg_flashhead = None
+    wrapper = _lora_wrapper(processor, monkeypatch)
+    wrapper.punica_wrapper = _NoLoRA()
+    wrapper.sharded_to_full_mapping_gpu = None  # set by create_lora_weights at TP=1
+    wrapper.lora_a_stacked = wrapper.lora_b_stacked = None
+    hidden = torch.randn(3, HIDDEN)
+    _arm(controller, 3)  # a decode step announced by the model runner
+    # vLLM's wrapper calls `type(base_layer).forward(wrapper, ...)`: `self` is not our instance.
+    logits = wrapper(lm_head, hidden)
+    torch.testing.assert_close(logits, hidden @ lm_head.weight[:VOCAB].T)
+    if with_controller:
+        assert controller.counters.rows_dense["lora"] == 3 and controller.counters.rows_flashhead == 0
+        assert controller.take_step() is None  # the step was consumed, not left for a later call
+
+
+def test_an_unknown_caller_of_forward_gets_vllms_forward(processor_and_head):
+    processor, lm_head = processor_and_head
+    stranger = SimpleNamespace(logits_as_input=False, soft_cap=None, scale=1.0,
+                               _get_logits=lambda hidden, head, bias, skip: hidden @ head.weight[:VOCAB].T)
+    hidden = torch.randn(2, HIDDEN)
+    logits = type(processor).forward(stranger, lm_head, hidden)
+    torch.testing.assert_close(logits, hidden @ lm_head.weight[:VOCAB].T)
+
+
+def test_input_batch_hooks_never_raise_into_vllm(monkeypatch):
+    """vLLM's own add/remove run and their results come back even when our bookkeeping fails."""
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    seen = []
+    monkeypatch.setattr(InputBatch, "add_request", lambda self, request: seen.append(("add", request)) or 7)
+    monkeypatch.setattr(InputBatch, "remove_request", lambda self, req_id: seen.append(("remove", req_id)) or 3)
+    monkeypatch.setattr(GPUModelRunner, "execute_model", GPUModelRunner.execute_model)  # restored afterwards
+    model_runner.apply()
+
+    batch = object.__new__(InputBatch)
+    odd = object()  # no req_id, no sampling_params
+    assert InputBatch.add_request(batch, odd) == 7
+    logprobs = SimpleNamespace(req_id="a", sampling_params=SamplingParams(logprobs=1))
+    plain = SimpleNamespace(req_id="b", sampling_params=SamplingParams())
+    assert InputBatch.add_request(batch, logprobs) == 7 and InputBatch.add_request(batch, plain) == 7
+    assert batch.__dict__["_my_pkg_dense_requests"] == {"a": DENSE_CODE["logprobs"]}
+    assert InputBatch.remove_request(batch, "a") == 3
+    assert batch.__dict__["_my_pkg_dense_requests"] == {}
+    assert seen == [("add", odd), ("add", logprobs), ("add", plain), ("remove", "a")]

@@ -23,22 +23,37 @@ PROBE = textwrap.dedent(
     from vllm import ModelRegistry
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.v1.worker.worker_base import WorkerBase
+    after_register = getattr(op_registry_oot.get("LogitsProcessor"), "__name__", None)
+    {then}
     print(json.dumps({{
         "lazy_import": lazy,
         "applied": my_pkg.engine.applied_patches(),
         "methods": sorted(m for m in vars(WorkerBase) if m.startswith("my_pkg_")),
         "flashhead_archs": sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith("FlashHead")),
+        "logits_processor_after_register": after_register,
         "logits_processor": getattr(op_registry_oot.get("LogitsProcessor"), "__name__", None),
+        **extra,
     }}))
     """
 )
 
 
-def _probe(prelude: str = "", **env: str) -> tuple[dict, str]:
+# What vLLM does right before it builds a FlashHead model: resolve its architecture.
+RESOLVE_FLASHHEAD = textwrap.dedent(
+    """
+    model_cls = ModelRegistry.models["FlashHeadLlamaForCausalLM"].load_model_cls()
+    from my_pkg.engine.patches.logits_processor import slot_taken_reason
+    extra = {"model_cls": model_cls.__name__, "slot_taken_reason": slot_taken_reason()}
+    """
+)
+
+
+def _probe(prelude: str = "", then: str = "extra = {}", **env: str) -> tuple[dict, str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MY_PKG_")}
     environment.update(env)
+    code = PROBE.format(prelude=prelude, then=then.strip())
     done = subprocess.run(
-        [sys.executable, "-c", PROBE.format(prelude=prelude)],
+        [sys.executable, "-c", code],
         capture_output=True, text=True, env=environment, timeout=300,
     )
     assert done.returncode == 0, done.stderr
@@ -46,9 +61,9 @@ def _probe(prelude: str = "", **env: str) -> tuple[dict, str]:
 
 
 def test_register_applies_every_patch_once_and_imports_lazily():
-    result, _ = _probe()
+    result, _ = _probe(then=RESOLVE_FLASHHEAD)
     assert result["lazy_import"] is True
-    assert result["applied"] == {"worker": True, "model_registry": True, "logits_processor": True}
+    assert result["applied"] == {"worker": True, "model_registry": True}
     assert result["methods"] == [
         "my_pkg_config", "my_pkg_flashhead_apply", "my_pkg_flashhead_status",
         "my_pkg_flashhead_validate", "my_pkg_ping", "my_pkg_worker_info",
@@ -56,7 +71,30 @@ def test_register_applies_every_patch_once_and_imports_lazily():
     for arch in ("FlashHeadLlamaForCausalLM", "FlashHeadQwen2ForCausalLM", "FlashHeadQwen3ForCausalLM",
                  "FlashHeadMistralForCausalLM", "FlashHeadGemma3ForCausalLM"):
         assert arch in result["flashhead_archs"]
+    # vLLM's LogitsProcessor is replaced only once a FlashHead model is about to be built.
+    assert result["logits_processor_after_register"] is None
+    assert result["model_cls"] == "LlamaForCausalLM"
     assert result["logits_processor"] == "FlashHeadLogitsProcessor"
+    assert result["slot_taken_reason"] is None
+
+
+def test_installing_the_plugin_leaves_another_plugins_logits_processor_working():
+    """A second general plugin that replaces LogitsProcessor, loaded after ours, in the same
+    process: vLLM does not catch its assertion on a duplicate, so our registration must not
+    be there yet. Building a FlashHead model then leaves it in place and says why."""
+    other = textwrap.dedent(
+        """
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        class OtherPluginLogitsProcessor(LogitsProcessor):
+            pass
+        LogitsProcessor.register_oot(OtherPluginLogitsProcessor)
+        """
+    )
+    result, stderr = _probe(then=other + RESOLVE_FLASHHEAD)
+    assert result["logits_processor"] == "OtherPluginLogitsProcessor"
+    assert result["model_cls"] == "LlamaForCausalLM"
+    assert "OtherPluginLogitsProcessor" in result["slot_taken_reason"]
+    assert stderr.count("FlashHead cannot hook vLLM's logits") == 1
 
 
 def test_disable_leaves_vllm_untouched():

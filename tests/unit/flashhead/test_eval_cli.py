@@ -86,3 +86,45 @@ def test_eval_cli_errors(built_llama, tmp_path, capsys):
     assert main(["flashhead", "eval", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "config.json" in err and "Traceback" not in err
+
+
+def _table_top1(out: str, n_probes: int) -> float:
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"| {n_probes} |"))
+    return float(line.split("|")[4].strip().rstrip("%"))
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory):
+    """A bf16 checkpoint with FlashHead assets (6 clusters of 16)."""
+    path = tmp_path_factory.mktemp("llama-bf16")
+    _tiny_llama(path).to(torch.bfloat16).save_pretrained(str(path))
+    assert main(["flashhead", "build", str(path), "--no-progress", "--iterations", "3", "--n-probes", "2"]) == 0
+    return path
+
+
+def test_eval_on_a_bf16_checkpoint_uses_a_float32_reference(bf16_llama, tmp_path, capsys):
+    from my_pkg.flashhead import FlashHead
+    from my_pkg.flashhead.assets import load_assets, load_lm_head, read_config
+    from my_pkg.flashhead.evaluate import synthetic_hidden_states
+
+    config = read_config(bf16_llama)
+    weight, _ = load_lm_head(bf16_llama, config)
+    assert weight.dtype == torch.bfloat16
+    centroids, assignments = load_assets(bf16_llama, config)
+    hidden = synthetic_hidden_states(weight.float(), 3000, noise=3.0, seed=1, vocab_size=VOCAB)
+    f = tmp_path / "hs.safetensors"
+    save_file({"hidden_states": hidden}, str(f))
+
+    assert main(["flashhead", "eval", str(bf16_llama), "--hidden-states", str(f), "--samples", "3000",
+                 "--probes", "2,6"]) == 0
+    out = capsys.readouterr().out
+    assert "reference: dense head in float32" in out and "clusters in bfloat16" in out
+    assert "the dense head in bfloat16 picks a float32 argmax" in out
+    assert _table_top1(out, 6) == 100.0  # every cluster probed: exactly the dense head
+
+    # Independently, all in float32: FlashHead's pick at 2 probes against the dense argmax.
+    exact = FlashHead(weight.float(), centroids.float(), assignments, vocab_size=VOCAB, n_probes=2)
+    picks = exact.greedy(hidden, exact.select_probes(hidden, n_probes=2))
+    expected = 100.0 * float((picks == (hidden @ weight.float().T).argmax(1)).float().mean())
+    assert expected < 100.0  # the check below compares something
+    assert abs(_table_top1(out, 2) - expected) <= 0.1, (out, expected)
