@@ -20,8 +20,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from my_pkg.endpoints.auth import TokenSet
-from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, ENV_RPC_TIMEOUT, logger
-from my_pkg.endpoints.errors import AdminAPIError, classify_rpc_error
+from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, logger
+from my_pkg.endpoints.errors import (
+    AdminAPIError,
+    classify_rpc_error,
+    engine_dead_error,
+    rpc_timeout_error,
+)
 
 if TYPE_CHECKING:
     from vllm.engine.protocol import EngineClient
@@ -186,28 +191,6 @@ def no_engine_error() -> AdminAPIError:
         "my_pkg admin routes cannot reach any worker.",
         type="engine_unavailable",
         hint="Use the admin routes on a vLLM server that runs a model.",
-    )
-
-
-def engine_dead_error() -> AdminAPIError:
-    return AdminAPIError(
-        503,
-        "The engine is not running (vLLM reports it as errored).",
-        type="engine_dead",
-        hint="See the server log for the root cause; restart the server.",
-    )
-
-
-def rpc_timeout_error(what: str, timeout_s: float) -> AdminAPIError:
-    return AdminAPIError(
-        504,
-        f"{what} did not complete within {timeout_s:g} s.",
-        type="timeout_error",
-        hint=(
-            "The workers may be busy or stalled; the call is still pending in the "
-            "engine and its late reply will be dropped. Check the server log; raise "
-            f"{ENV_RPC_TIMEOUT} if the workers are merely slow."
-        ),
     )
 
 

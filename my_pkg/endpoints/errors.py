@@ -149,6 +149,30 @@ def engine_half_missing_error(method: str, detail: str | None = None) -> AdminAP
     )
 
 
+def engine_dead_error(detail: str = "vLLM reports it as errored", **extra: Any) -> AdminAPIError:
+    return AdminAPIError(
+        503,
+        f"The engine is not running ({detail}).",
+        type="engine_dead",
+        hint="See the server log for the root cause; restart the server.",
+        **extra,
+    )
+
+
+def rpc_timeout_error(what: str, timeout_s: float, **extra: Any) -> AdminAPIError:
+    return AdminAPIError(
+        504,
+        f"{what} did not complete within {timeout_s:g} s.",
+        type="timeout_error",
+        hint=(
+            "The workers may be busy or stalled; the call is still pending in the "
+            "engine and its late reply will be dropped. Check the server log; raise "
+            f"{ENV_RPC_TIMEOUT} if the workers are merely slow."
+        ),
+        **extra,
+    )
+
+
 def classify_rpc_error(
     exc: BaseException, method: str, timeout_s: float
 ) -> AdminAPIError:
@@ -156,26 +180,11 @@ def classify_rpc_error(
     if isinstance(exc, AdminAPIError):
         return exc
     if is_timeout(exc):
-        return AdminAPIError(
-            504,
-            f"Worker RPC {method} did not complete within {timeout_s:g} s.",
-            type="timeout_error",
-            hint=(
-                "The workers may be busy or stuck; check the server log. "
-                f"Raise {ENV_RPC_TIMEOUT} if the workers are merely slow."
-            ),
-            method=method,
-        )
+        return rpc_timeout_error(f"Worker RPC {method}", timeout_s, method=method)
     if is_engine_half_missing(exc):
         return engine_half_missing_error(method, _describe(exc))
     if _is_engine_dead(exc):
-        return AdminAPIError(
-            503,
-            f"The engine is not running ({_describe(exc)}).",
-            type="engine_dead",
-            hint="See the server log for the root cause; restart the server.",
-            method=method,
-        )
+        return engine_dead_error(_describe(exc), method=method)
     return AdminAPIError(
         503,
         f"Worker RPC {method} failed: {_describe(exc)}",

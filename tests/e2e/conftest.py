@@ -109,25 +109,22 @@ def lora_adapter(base_model: Path, e2e_dir: Path) -> Path:
     return build_tiny_lora(e2e_dir / "tiny-lora", base_model)
 
 
-def _lora_args(adapter: Path) -> list[str]:
-    return ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={adapter}"]
+def _lora_server(model: Path, adapter: Path, logs: Path, name: str) -> VllmServer:
+    """`--enable-lora` with the adapter served as LORA_NAME, both halves loaded."""
+    return _server(model, logs, name, {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
+                   ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={adapter}"])
 
 
 @pytest.fixture(scope="session")
 def lora_plain_server(base_model: Path, lora_adapter: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """`--enable-lora` on the standard model, both halves loaded."""
-    with _server(base_model, logs_dir, "lora-plain",
-                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
-                 _lora_args(lora_adapter)) as server:
+    with _lora_server(base_model, lora_adapter, logs_dir, "lora-plain") as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def lora_flashhead_server(flashhead_model: Path, lora_adapter: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """`--enable-lora` on the FlashHead model (same weights), both halves loaded."""
-    with _server(flashhead_model, logs_dir, "lora-flashhead",
-                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
-                 _lora_args(lora_adapter)) as server:
+    """The FlashHead model: same weights as the plain one, plus FlashHead assets."""
+    with _lora_server(flashhead_model, lora_adapter, logs_dir, "lora-flashhead") as server:
         yield server
 
 

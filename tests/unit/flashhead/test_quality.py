@@ -16,3 +16,25 @@ def test_clustered_head_beats_random_clustering():
     assert g16.top1 >= 0.8, g16
     assert g16.top1 > r16.top1 + 0.3, (g16, r16)
     assert g16.scored_rows == 256 + 16 * 16
+
+
+def test_eval_counts_a_tie_with_the_dense_maximum_as_agreement():
+    """Tokens 0 and 7 have the same row; FlashHead probes only token 7's cluster and picks it.
+
+    The dense argmax returns the lower index (0), but token 7's logit *is* the maximum: a
+    tie, which must count as agreement (an index comparison would report 0%).
+    """
+    import torch
+
+    target = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    weight = torch.stack([
+        target, -target, -target + 0.1, -target - 0.1,                            # cluster 0
+        0.5 * target, 0.4 * target + 0.1, 0.3 * target - 0.1, target.clone(),    # cluster 1
+    ])
+    assignments = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    centroids = score_centroids(weight, assignments, 2)
+    head = FlashHead(weight, centroids, assignments, n_probes=1, backend="torch")
+    hidden = target.repeat(3, 1)
+    assert head.greedy(hidden, head.select_probes(hidden, n_probes=1)).tolist() == [7, 7, 7]
+    (row,), _ = evaluate(head, hidden, [1], time_repeats=1)
+    assert row.top1 == 1.0
