@@ -41,6 +41,9 @@ REQUEST_DENSE_REASONS = (
     "bad_words",
     "custom_logits_processors",
     "unclassified",
+    "thinking_budget",
+    "watermark",
+    "opt_out",
 )
 _REASON_BY_CODE = ("",) + REQUEST_DENSE_REASONS
 DENSE_CODE = {name: code for code, name in enumerate(_REASON_BY_CODE) if name}
@@ -49,25 +52,86 @@ DEFAULT_DENSE_BATCH_THRESHOLD_CPU = 16  # bench/serve.py, 2-core CPU: 1.35x at 8
 DEFAULT_DENSE_BATCH_THRESHOLD_GPU = 64  # not measured yet: rerun bench/serve.py on a GPU
 UPDATE_FIELDS = ("enabled", "n_probes", "dense_batch_threshold")
 
+#: `SamplingParams` fields that need exact dense logits when a request sets them, checked in this order.
+DENSE_REQUEST_FIELDS = {
+    "logprobs": "logprobs",
+    "logprob_token_ids": "logprobs",
+    "prompt_logprobs": "prompt_logprobs",
+    "prompt_logprob_token_ids": "prompt_logprobs",
+    "structured_outputs": "structured_output",
+    "logit_bias": "logit_bias",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+    "thinking_token_budget": "thinking_budget",
+    "watermarking": "watermark",
+}
+#: `SamplingParams` fields FlashHead serves as they are: vLLM's sampler, penalties and stop
+#: handling run on the candidates' exact logits, or the field does not touch logits at all.
+FLASHHEAD_REQUEST_FIELDS = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+    "prompt_logprob_start", "flat_logprobs", "detokenize", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "output_kind", "stream_interval",
+    "skip_clone", "output_text_buffer_length", "extra_args", "skip_reading_prefix_cache",
+    "repetition_detection", "routed_experts_prompt_start", "trace_decode_token_ids",
+})
+#: `vllm_xargs` key a request sets to false to be served by the dense head.
+OPT_OUT_ARG = "flashhead"
+
+
+def _request_fields(sampling_params: Any) -> tuple[str, ...]:
+    """Public fields of vLLM's `SamplingParams` (a msgspec Struct), derived from the class."""
+    fields = getattr(type(sampling_params), "__struct_fields__", None) or tuple(vars(sampling_params))
+    return tuple(name for name in fields if not name.startswith("_"))
+
+
+def _is_set(value: Any, default: Any) -> bool:
+    if value is None or value is False:
+        return False
+    if isinstance(value, (list, tuple, dict, set, frozenset)) and not value:
+        return False
+    return value != default
+
+
+def _is_off(value: Any) -> bool:
+    """`false` as a request's `vllm_xargs` value can spell it (vLLM types them str | int | float)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("false", "0", "no", "off")
+    return value is not None and value == 0
+
+
+_DEFAULTS: dict[type, Any] = {}
+
+
+def _default_of(sampling_params: Any) -> Any:
+    cls = type(sampling_params)
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = cls()
+    return _DEFAULTS[cls]
+
 
 def request_dense_reason(sampling_params: Any) -> str | None:
-    """The reason a request needs exact dense logits, or None when FlashHead may serve it."""
+    """The reason a request needs exact dense logits, or None when FlashHead may serve it.
+
+    Derived from the request's own `SamplingParams`: a field that needs dense
+    logits (`DENSE_REQUEST_FIELDS`) and is set, a `vllm_xargs` opt-out, or any
+    field this plugin does not know (a newer vLLM) set to a non-default value
+    makes the request dense.
+    """
     if sampling_params is None:
         return None
-    if getattr(sampling_params, "logprobs", None) is not None:
-        return "logprobs"
-    if getattr(sampling_params, "prompt_logprobs", None) is not None:
-        return "prompt_logprobs"
-    if getattr(sampling_params, "structured_outputs", None) is not None:
-        return "structured_output"
-    if getattr(sampling_params, "logit_bias", None):
-        return "logit_bias"
-    if getattr(sampling_params, "allowed_token_ids", None):
-        return "allowed_token_ids"
-    if getattr(sampling_params, "bad_words", None) or getattr(
-        sampling_params, "_bad_words_token_ids", None
-    ):
-        return "bad_words"
+    default = _default_of(sampling_params)
+    for name, reason in DENSE_REQUEST_FIELDS.items():
+        if _is_set(getattr(sampling_params, name, None), getattr(default, name, None)):
+            return reason
+    extra_args = getattr(sampling_params, "extra_args", None) or {}
+    if _is_off(extra_args.get(OPT_OUT_ARG)):
+        return "opt_out"
+    for name in _request_fields(sampling_params):
+        if name in DENSE_REQUEST_FIELDS or name in FLASHHEAD_REQUEST_FIELDS:
+            continue
+        if _is_set(getattr(sampling_params, name, None), getattr(default, name, None)):
+            return "unclassified"
     return None
 
 

@@ -91,9 +91,14 @@ def test_default_probes_serve_greedy_and_sampled_requests(fh, flashhead_server):
     assert _status(fh)["counters"]["rows_flashhead"] >= before + 6 * 23
 
 
-def test_logprobs_requests_get_the_dense_servers_logprobs(fh, flashhead_server, plain_vllm_server):
+@pytest.mark.parametrize(
+    "params",
+    [{"logprobs": 3}, {"logprobs": 1, "logprob_token_ids": [7, 11, 300, 4000]}],
+    ids=["top_logprobs", "logprob_token_ids"],
+)
+def test_logprobs_requests_get_the_dense_servers_logprobs(fh, flashhead_server, plain_vllm_server, params):
     before = _status(fh)["counters"]["rows_dense"].get("logprobs", 0)
-    params = {"max_tokens": 8, "logprobs": 3}
+    params = {"max_tokens": 8, **params}
     ours = _complete(fh, flashhead_server.model, PROMPTS[2], **params)
     with client(plain_vllm_server) as plain:
         reference = _complete(plain, plain_vllm_server.model, PROMPTS[2], **params)
@@ -103,6 +108,18 @@ def test_logprobs_requests_get_the_dense_servers_logprobs(fh, flashhead_server, 
         assert mine.keys() == theirs.keys()
         assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-4)
     assert _status(fh)["counters"]["rows_dense"]["logprobs"] >= before + 8
+
+
+def test_a_request_can_opt_out_of_flashhead(fh, flashhead_server, plain_vllm_server):
+    assert _put(fh, {"n_probes": 1}).status_code == 200  # FlashHead alone would differ from dense here
+    before = _status(fh)["counters"]["rows_dense"].get("opt_out", 0)
+    opt_out = {"max_tokens": 24, "return_token_ids": True, "vllm_xargs": {"flashhead": False}}
+    ours = [_complete(fh, flashhead_server.model, p, **opt_out)["token_ids"] for p in PROMPTS[:3]]
+    with client(plain_vllm_server) as plain:
+        reference = [_complete(plain, plain_vllm_server.model, p, max_tokens=24, return_token_ids=True)["token_ids"]
+                     for p in PROMPTS[:3]]
+    assert ours == reference
+    assert _status(fh)["counters"]["rows_dense"]["opt_out"] >= before + 3 * 23
 
 
 def test_prompt_logprobs_equal_the_dense_servers(fh, flashhead_server, plain_vllm_server):

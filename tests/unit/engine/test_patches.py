@@ -33,6 +33,48 @@ def test_request_dense_reason_from_real_sampling_params(kwargs, reason):
     assert request_dense_reason(SamplingParams(**kwargs)) == reason
 
 
+def test_every_sampling_params_field_is_classified():
+    """Fails when vLLM adds a request field: decide whether FlashHead may serve it, then list it."""
+    from vllm import SamplingParams
+
+    from my_pkg.engine.flashhead_control import DENSE_REQUEST_FIELDS, FLASHHEAD_REQUEST_FIELDS
+
+    public = {name for name in SamplingParams.__struct_fields__ if not name.startswith("_")}
+    unknown = public - set(DENSE_REQUEST_FIELDS) - FLASHHEAD_REQUEST_FIELDS
+    assert not unknown, f"classify these SamplingParams fields: {sorted(unknown)}"
+    assert set(DENSE_REQUEST_FIELDS) <= public and FLASHHEAD_REQUEST_FIELDS <= public
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"logprob_token_ids": [5, 9]}, "logprobs"),
+        ({"logprobs": 0}, "logprobs"),
+        ({"prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"thinking_token_budget": 8}, "thinking_budget"),
+        ({"extra_args": {"flashhead": False}}, "opt_out"),
+        ({"extra_args": {"flashhead": 0}}, "opt_out"),  # what `"vllm_xargs": {"flashhead": false}` becomes
+        ({"extra_args": {"flashhead": "false"}}, "opt_out"),
+        ({"extra_args": {"flashhead": True, "other": 1}}, None),
+        ({"stop_token_ids": [3], "min_tokens": 2, "n": 3, "top_k": 5, "min_p": 0.1}, None),
+    ],
+)
+def test_more_request_fields(kwargs, reason):
+    from vllm import SamplingParams
+
+    assert request_dense_reason(SamplingParams(**kwargs)) == reason
+
+
+def test_a_field_this_plugin_does_not_know_is_served_dense_when_set():
+    from vllm import SamplingParams
+
+    class NewerSamplingParams(SamplingParams, kw_only=True):
+        future_logits_feature: int = 0
+
+    assert request_dense_reason(NewerSamplingParams()) is None
+    assert request_dense_reason(NewerSamplingParams(future_logits_feature=2)) == "unclassified"
+
+
 def test_structured_output_requests_need_dense_rows():
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
