@@ -129,6 +129,8 @@ class FlashHeadStatus(_WorkerReply):
     vocab_size: int | None = None
     n_probes: int | None = None
     dense_batch_threshold: int | None = None
+    probe_sampling: bool | None = None
+    pinned_token_ids: list[int] | None = None
     backend: str | None = None
     extra_memory_bytes: int | None = None
     counters: FlashHeadCounters = Field(default_factory=FlashHeadCounters)

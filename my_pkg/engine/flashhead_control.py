@@ -141,6 +141,7 @@ class StepRows:
 
     dense_codes: np.ndarray  # uint8 [rows], 0 = FlashHead may serve the row
     sampled: np.ndarray  # bool [rows], True for rows that sample (temperature > 0)
+    stop_ids: tuple[int, ...] = ()  # the step's requests' own stop_token_ids, scored exactly on every row
 
     @property
     def num_rows(self) -> int:
@@ -259,8 +260,12 @@ class FlashHeadController:
         device_type: str,
         unavailable_reason: str | None = None,
         unavailable_code: str | None = None,
+        pinned_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
         self.vocab_size = vocab_size
+        #: Scored exactly on every FlashHead row: EOS and special tokens (see `stop_and_special_token_ids`).
+        self.pinned_ids = tuple(sorted({int(i) for i in pinned_ids if 0 <= int(i) < vocab_size}))
+        self._pinned: torch.Tensor | None = None
         self.counters = FlashHeadCounters()
         self._timer = _HeadTimer(self.counters)
         self._step_source: Callable[[], StepRows | None] | None = None
@@ -295,19 +300,22 @@ class FlashHeadController:
     ) -> "FlashHeadController":
         """Read the assets named by config.json; a failure leaves the controller unavailable."""
         centroids = assignments = None
+        pinned_ids: list[int] = []
         if unavailable_reason is None:
             try:
-                from my_pkg.flashhead.assets import load_assets
+                from my_pkg.flashhead.assets import load_assets, stop_and_special_token_ids
 
                 if model_dir is None:
                     raise FileNotFoundError("the model directory could not be resolved")
                 centroids, assignments = load_assets(Path(model_dir), config)
+                pinned_ids = stop_and_special_token_ids(model_dir, config)
             except Exception as exc:  # noqa: BLE001 - bad assets mean dense, never a crash
                 unavailable_reason = f"FlashHead assets could not be loaded: {exc}"
                 unavailable_code = "assets_invalid"
         return cls(
             centroids=centroids, assignments=assignments, config=config, vocab_size=vocab_size,
             device_type=device_type, unavailable_reason=unavailable_reason, unavailable_code=unavailable_code,
+            pinned_ids=pinned_ids,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -426,12 +434,26 @@ class FlashHeadController:
         else:
             flat_ids = token_ids + (flash_index * self.vocab_size).unsqueeze(1)
             logits.view(-1).scatter_(0, flat_ids.flatten(), candidate_logits.flatten())
+        pins = self._step_pins(rows, hidden.device)
+        if pins is not None:  # EOS, special and stop tokens: exact on every row, probed or not
+            pin_logits = postprocess(torch.nn.functional.linear(flash_hidden, self.head.weight.index_select(0, pins)))
+            rows_index = torch.arange(num_rows, device=hidden.device) if flash_index is None else flash_index
+            logits[rows_index.unsqueeze(1), pins.unsqueeze(0)] = pin_logits.to(logits.dtype)
         self._timer.stop(token)
         if dense_rows.size:
             index = torch.from_numpy(dense_rows).to(hidden.device, non_blocking=True)
             logits[index] = dense(hidden.index_select(0, index)).to(logits.dtype)
         self.counters.rows_flashhead += num_rows - int(dense_rows.size)
         return logits
+
+    def _step_pins(self, rows: StepRows, device: torch.device) -> torch.Tensor | None:
+        """Token ids scored exactly in this step, on `device`; None when there are none."""
+        if self._pinned is None or self._pinned.device != device:
+            self._pinned = torch.tensor(self.pinned_ids, dtype=torch.long, device=device)
+        extra = [i for i in rows.stop_ids if 0 <= i < self.vocab_size and i not in self.pinned_ids]
+        if extra:
+            return torch.cat([self._pinned, torch.tensor(sorted(set(extra)), dtype=torch.long, device=device)])
+        return self._pinned if self.pinned_ids else None
 
     def _all_dense(self, hidden: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor], reason: str) -> torch.Tensor:
         self.counters.rows_dense[reason] += hidden.shape[0]
@@ -475,6 +497,7 @@ class FlashHeadController:
             "n_probes": self.settings.n_probes,
             "dense_batch_threshold": self.settings.dense_batch_threshold,
             "probe_sampling": self.settings.probe_sampling,
+            "pinned_token_ids": list(self.pinned_ids),
             "backend": head.backend if head is not None else None,
             "extra_memory_bytes": head.extra_memory_bytes if head is not None else None,
             "counters": self.counters.snapshot(),

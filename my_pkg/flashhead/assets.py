@@ -228,3 +228,39 @@ def prepare_output_dir(model_dir: str | Path, output: str | Path) -> Path:
         raise FlashHeadAssetError("--output must not lie inside the model directory")
     shutil.copytree(src, dst, dirs_exist_ok=True)
     return dst
+
+
+def _ids(value) -> list[int]:
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def stop_and_special_token_ids(model_dir: str | Path | None, config: dict) -> list[int]:
+    """Token ids whose logits FlashHead always scores exactly (its "pinned" candidates).
+
+    The model's end-of-sequence ids (config.json and generation_config.json
+    `eos_token_id`) and the tokenizer's special tokens (`added_tokens_decoder`
+    entries marked special in tokenizer_config.json): a missed EOS would run a
+    reply on to `max_tokens`. Files that are absent or unreadable add nothing.
+    """
+    ids = set(_ids(text_config(config).get("eos_token_id")) + _ids(config.get("eos_token_id")))
+    if model_dir is not None:
+        root = Path(model_dir)
+        for name, read in (("generation_config.json", lambda d: _ids(d.get("eos_token_id"))),
+                           ("tokenizer_config.json", _special_added_tokens)):
+            try:
+                ids.update(read(json.loads((root / name).read_text())))
+            except (OSError, ValueError, AttributeError, TypeError):
+                continue
+    return sorted(i for i in ids if i >= 0)
+
+
+def _special_added_tokens(tokenizer_config: dict) -> list[int]:
+    added = tokenizer_config.get("added_tokens_decoder") or {}
+    return [int(token_id) for token_id, entry in added.items()
+            if isinstance(entry, dict) and entry.get("special") and str(token_id).isdigit()]

@@ -122,6 +122,22 @@ def test_a_request_can_opt_out_of_flashhead(fh, flashhead_server, plain_vllm_ser
     assert _status(fh)["counters"]["rows_dense"]["opt_out"] >= before + 3 * 23
 
 
+def test_stop_tokens_are_always_candidates(fh, flashhead_server, plain_vllm_server):
+    """At one probe, a request's stop token that the dense head picks first ends the reply
+    at once, as on the dense server, though its cluster is rarely the one probed."""
+    status = _status(fh)
+    assert 2 in status["pinned_token_ids"]  # the model's EOS
+    assert _put(fh, {"n_probes": 1}).status_code == 200
+    with client(plain_vllm_server) as plain:
+        for prompt in PROMPTS:
+            first = _complete(plain, plain_vllm_server.model, prompt, max_tokens=1, return_token_ids=True)
+            stop = {"max_tokens": 16, "stop_token_ids": first["token_ids"], "return_token_ids": True}
+            reference = _complete(plain, plain_vllm_server.model, prompt, **stop)
+            ours = _complete(fh, flashhead_server.model, prompt, **stop)
+            assert reference["finish_reason"] == "stop" and reference["token_ids"] == first["token_ids"]
+            assert (ours["finish_reason"], ours["token_ids"]) == (reference["finish_reason"], reference["token_ids"])
+
+
 def test_prompt_logprobs_equal_the_dense_servers(fh, flashhead_server, plain_vllm_server):
     params = {"max_tokens": 2, "prompt_logprobs": 1}
     ours = _complete(fh, flashhead_server.model, PROMPTS[0], **params)["prompt_logprobs"]

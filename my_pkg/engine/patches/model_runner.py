@@ -4,8 +4,9 @@ Applied only when a FlashHead model is built. Hooks vLLM's V1 model runner
 (`GPUModelRunner`, which the CPU runner subclasses) and its `InputBatch`:
 
 - `InputBatch.add_request` / `remove_request` keep, per request that needs exact
-  dense logits (logprobs, grammar, logit bias, ...), the reason; requests that
-  do not are not tracked, so a step costs nothing per plain request.
+  dense logits (logprobs, grammar, logit bias, ...), the reason, and per request
+  with `stop_token_ids` of its own, those ids (scored exactly on every row);
+  other requests are not tracked, so a step costs nothing per plain request.
 - `GPUModelRunner.execute_model` arms the controller for its one
   `compute_logits` call over the batch's rows; any other logits call (warm-up,
   prompt logprobs in `sample_tokens`, a drafter) finds it disarmed and stays dense.
@@ -30,6 +31,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner, vllm.v1.worker.gpu_input_batch.InputBatch"
 _DENSE_TABLE = "_my_pkg_dense_requests"
+_STOP_TABLE = "_my_pkg_stop_token_ids"
 _BUILTIN_LOGITS_PROCESSORS = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
 
 
@@ -51,13 +53,19 @@ def step_rows(input_batch: Any) -> StepRows:
             row = index_of.get(req_id)
             if row is not None and row < num_rows:
                 codes[row] = code
+    stop_ids: set[int] = set()
+    stops: dict[str, tuple[int, ...]] = input_batch.__dict__.get(_STOP_TABLE) or {}
+    for req_id, ids in stops.items():  # only the requests with stop_token_ids of their own
+        row = input_batch.req_id_to_index.get(req_id)
+        if row is not None and row < num_rows:
+            stop_ids.update(ids)
     sampled = np.asarray(input_batch.temperature_cpu[:num_rows]) > 0.0
     # Rows with a per-request seed take the top clusters: drawing them would use
     # randomness outside the request's generator and break the seed's promise.
     seeded = [row for row in getattr(input_batch, "generators", {}) if row < num_rows]
     if seeded:
         sampled[seeded] = False
-    return StepRows(dense_codes=codes, sampled=sampled)
+    return StepRows(dense_codes=codes, sampled=sampled, stop_ids=tuple(sorted(stop_ids)))
 
 
 def _track(input_batch: Any, request: Any) -> None:
@@ -71,6 +79,12 @@ def _track(input_batch: Any, request: Any) -> None:
         table.pop(request.req_id, None)
     else:
         table[request.req_id] = DENSE_CODE[reason]
+    stop_ids = tuple(getattr(getattr(request, "sampling_params", None), "stop_token_ids", None) or ())
+    stops = input_batch.__dict__.setdefault(_STOP_TABLE, {})
+    if stop_ids:
+        stops[request.req_id] = stop_ids
+    else:
+        stops.pop(request.req_id, None)
 
 
 _warned: set[str] = set()
@@ -109,9 +123,10 @@ def apply() -> None:
     @functools.wraps(original_remove)
     def remove_request(self, req_id, *args, **kwargs):
         try:
-            table = self.__dict__.get(_DENSE_TABLE)
-            if table:
-                table.pop(req_id, None)
+            for name in (_DENSE_TABLE, _STOP_TABLE):
+                table = self.__dict__.get(name)
+                if table:
+                    table.pop(req_id, None)
         except Exception as exc:  # noqa: BLE001
             _warn_once("remove_request", exc)
         return original_remove(self, req_id, *args, **kwargs)

@@ -183,3 +183,61 @@ def test_settings_can_change_before_the_head_is_built(weight):
     ctl.apply({"n_probes": CLUSTERS})
     ctl.bind(weight)
     assert ctl.head.n_probes == CLUSTERS
+
+
+def _pinned_controller(weight, pinned, n_probes=1):
+    assignments = torch.arange(VOCAB) // CAP  # token t lives in cluster t // CAP
+    centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
+    ctl = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": n_probes},
+                              vocab_size=VOCAB, device_type="cpu", pinned_ids=pinned)
+    ctl.bind(weight)
+    return ctl
+
+
+def _hidden_far_from_cluster_of(weight, token):
+    """Hidden states whose dense argmax is `token`, while the best centroid is another cluster's."""
+    torch.manual_seed(1)
+    for _ in range(2000):
+        hidden = torch.randn(1, HIDDEN) * 3
+        scores = hidden @ weight[:VOCAB].T
+        centroid_best = int((hidden @ torch.stack(
+            [weight[:VOCAB][c * CAP:(c + 1) * CAP].mean(0) for c in range(CLUSTERS)]).T).argmax())
+        if int(scores.argmax()) == token and centroid_best != token // CAP:
+            return hidden
+    raise AssertionError("no such hidden state")
+
+
+def test_eos_and_special_tokens_are_scored_on_every_row(weight):
+    hidden = _hidden_far_from_cluster_of(weight, int((torch.randn(1, HIDDEN) @ weight[:VOCAB].T).argmax()))
+    eos = int((hidden @ weight[:VOCAB].T).argmax())
+    unpinned = _pinned_controller(weight, [])
+    assert int(unpinned.compute_logits(hidden, _rows([0]), _dense(weight), lambda x: x).argmax()) != eos
+    pinned = _pinned_controller(weight, [eos, VOCAB + 3])  # ids outside the vocabulary are ignored
+    logits = pinned.compute_logits(hidden, _rows([0]), _dense(weight), lambda x: x)
+    assert int(logits.argmax()) == eos  # FlashHead stops where dense stops
+    torch.testing.assert_close(logits[0, eos], (hidden @ weight[:VOCAB].T)[0, eos])
+    assert pinned.status()["pinned_token_ids"] == [eos]
+
+
+def test_a_requests_stop_token_ids_are_scored_on_every_flashhead_row(weight):
+    hidden = _hidden_far_from_cluster_of(weight, int((torch.randn(1, HIDDEN) @ weight[:VOCAB].T).argmax()))
+    stop = int((hidden @ weight[:VOCAB].T).argmax())
+    ctl = _pinned_controller(weight, [])
+    both = torch.cat([hidden, hidden])
+    rows = StepRows(np.array([0, DENSE_CODE["logprobs"]], np.uint8), np.zeros(2, bool), stop_ids=(stop,))
+    logits = ctl.compute_logits(both, rows, _dense(weight), lambda x: x)
+    assert logits.argmax(1).tolist() == [stop, stop]
+    torch.testing.assert_close(logits[1], (hidden @ weight[:VOCAB].T)[0])  # the dense row is untouched
+
+
+def test_stop_and_special_token_ids_come_from_the_model_files(tmp_path):
+    import json
+
+    from my_pkg.flashhead.assets import stop_and_special_token_ids
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {
+        "0": {"content": "<unk>", "special": True}, "5": {"content": "<|user|>", "special": True},
+        "9": {"content": "word", "special": False}}}))
+    assert stop_and_special_token_ids(tmp_path, {"eos_token_id": 3}) == [0, 2, 3, 5, 7]
+    assert stop_and_special_token_ids(tmp_path / "missing", {"text_config": {"eos_token_id": [4]}}) == [4]

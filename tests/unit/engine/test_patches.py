@@ -101,6 +101,12 @@ def test_step_rows_marks_only_the_tracked_requests():
     assert rows.sampled.tolist() == [False, True, False]
 
 
+def test_step_rows_carry_the_stop_token_ids_of_the_steps_requests():
+    batch = _input_batch(2, [0.0, 0.0], {})
+    batch.__dict__["_my_pkg_stop_token_ids"] = {"r0": (9, 4), "r1": (4,), "r3": (77,)}  # r3 is not in the step
+    assert model_runner.step_rows(batch).stop_ids == (4, 9)
+
+
 def test_seeded_rows_do_not_draw_their_clusters():
     batch = _input_batch(3, [0.9, 0.9, 0.0], {})
     batch.generators = {0: object(), 7: object()}
@@ -312,9 +318,10 @@ def test_input_batch_hooks_never_raise_into_vllm(monkeypatch):
     odd = object()  # no req_id, no sampling_params
     assert InputBatch.add_request(batch, odd) == 7
     logprobs = SimpleNamespace(req_id="a", sampling_params=SamplingParams(logprobs=1))
-    plain = SimpleNamespace(req_id="b", sampling_params=SamplingParams())
+    plain = SimpleNamespace(req_id="b", sampling_params=SamplingParams(stop_token_ids=[5]))
     assert InputBatch.add_request(batch, logprobs) == 7 and InputBatch.add_request(batch, plain) == 7
     assert batch.__dict__["_my_pkg_dense_requests"] == {"a": DENSE_CODE["logprobs"]}
-    assert InputBatch.remove_request(batch, "a") == 3
-    assert batch.__dict__["_my_pkg_dense_requests"] == {}
-    assert seen == [("add", odd), ("add", logprobs), ("add", plain), ("remove", "a")]
+    assert batch.__dict__["_my_pkg_stop_token_ids"] == {"b": (5,)}
+    assert InputBatch.remove_request(batch, "a") == 3 and InputBatch.remove_request(batch, "b") == 3
+    assert batch.__dict__["_my_pkg_dense_requests"] == {} and batch.__dict__["_my_pkg_stop_token_ids"] == {}
+    assert seen == [("add", odd), ("add", logprobs), ("add", plain), ("remove", "a"), ("remove", "b")]
