@@ -56,8 +56,6 @@ UPDATE_FIELDS = ("enabled", "n_probes", "dense_batch_threshold")
 DENSE_REQUEST_FIELDS = {
     "logprobs": "logprobs",
     "logprob_token_ids": "logprobs",
-    "prompt_logprobs": "prompt_logprobs",
-    "prompt_logprob_token_ids": "prompt_logprobs",
     "structured_outputs": "structured_output",
     "logit_bias": "logit_bias",
     "allowed_token_ids": "allowed_token_ids",
@@ -67,7 +65,10 @@ DENSE_REQUEST_FIELDS = {
 }
 #: `SamplingParams` fields FlashHead serves as they are: vLLM's sampler, penalties and stop
 #: handling run on the candidates' exact logits, or the field does not touch logits at all.
+#: Prompt logprobs come from a separate logits call over the prompt, which is always dense:
+#: the request's generated tokens can still use FlashHead.
 FLASHHEAD_REQUEST_FIELDS = frozenset({
+    "prompt_logprobs", "prompt_logprob_token_ids",
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
     "prompt_logprob_start", "flat_logprobs", "detokenize", "skip_special_tokens",

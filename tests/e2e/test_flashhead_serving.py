@@ -139,8 +139,13 @@ def test_stop_tokens_are_always_candidates(fh, flashhead_server, plain_vllm_serv
 
 
 def test_prompt_logprobs_equal_the_dense_servers(fh, flashhead_server, plain_vllm_server):
-    params = {"max_tokens": 2, "prompt_logprobs": 1}
+    params = {"max_tokens": 4, "prompt_logprobs": 1}
+    before = _status(fh)["counters"]
     ours = _complete(fh, flashhead_server.model, PROMPTS[0], **params)["prompt_logprobs"]
+    after = _status(fh)["counters"]
+    # Dense only while the prompt logprobs are computed: the generated tokens use FlashHead.
+    assert after["rows_flashhead"] >= before["rows_flashhead"] + 3
+    assert after["rows_dense"].get("prompt_logprobs", 0) == before["rows_dense"].get("prompt_logprobs", 0)
     with client(plain_vllm_server) as plain:
         theirs = _complete(plain, plain_vllm_server.model, PROMPTS[0], **params)["prompt_logprobs"]
     assert ours[0] is None and theirs[0] is None

@@ -21,7 +21,7 @@ VOCAB, HIDDEN, CAP = 256, 16, 16
         ({}, None),
         ({"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.2, "seed": 3}, None),
         ({"logprobs": 2}, "logprobs"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1}, None),  # the prompt's logits call is dense anyway; decode may use FlashHead
         ({"logit_bias": {5: 2.0}}, "logit_bias"),
         ({"allowed_token_ids": [1, 2, 3]}, "allowed_token_ids"),
         ({"bad_words": ["the"]}, "bad_words"),
@@ -50,7 +50,7 @@ def test_every_sampling_params_field_is_classified():
     [
         ({"logprob_token_ids": [5, 9]}, "logprobs"),
         ({"logprobs": 0}, "logprobs"),
-        ({"prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"prompt_logprobs": 0, "prompt_logprob_token_ids": [3]}, None),
         ({"thinking_token_budget": 8}, "thinking_budget"),
         ({"extra_args": {"flashhead": False}}, "opt_out"),
         ({"extra_args": {"flashhead": 0}}, "opt_out"),  # what `"vllm_xargs": {"flashhead": false}` becomes
