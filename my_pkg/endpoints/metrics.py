@@ -74,6 +74,14 @@ def render_metrics(statuses: Sequence[FlashHeadStatus]) -> str:
     seconds = _Family(
         "head_seconds_total", "counter", "Seconds spent in the LM head."
     )
+    fidelity_rows = _Family(
+        "fidelity_rows_total", "counter",
+        "FlashHead rows also checked against the dense head (live fidelity telemetry).",
+    )
+    fidelity_agreed = _Family(
+        "fidelity_agreed_total", "counter",
+        "Checked rows whose FlashHead best token is a dense argmax.",
+    )
     available = _Family(
         "available", "gauge", "1 when the model has FlashHead assets and the head was built."
     )
@@ -95,6 +103,8 @@ def render_metrics(statuses: Sequence[FlashHeadStatus]) -> str:
             rows.add([rank, ("path", "dense"), ("reason", reason)], c.rows_dense[reason])
         fallbacks.add([rank], c.fallbacks)
         seconds.add([rank], float(c.head_seconds))
+        fidelity_rows.add([rank], c.fidelity_rows)
+        fidelity_agreed.add([rank], c.fidelity_agreed)
         available.add([rank], status.available)
         enabled.add([rank], status.enabled)
         active.add([rank], status.active)
@@ -105,7 +115,8 @@ def render_metrics(statuses: Sequence[FlashHeadStatus]) -> str:
 
     lines: list[str] = []
     for family in (
-        steps, rows, fallbacks, seconds, available, enabled, active, n_probes, threshold
+        steps, rows, fallbacks, seconds, fidelity_rows, fidelity_agreed, available, enabled,
+        active, n_probes, threshold,
     ):
         lines.extend(family.render())
     return "\n".join(lines) + "\n"

@@ -114,6 +114,8 @@ class FlashHeadCounters(_WorkerReply):
     rows_dense: dict[str, int] = Field(default_factory=dict)
     fallbacks: int = 0
     head_seconds: float = 0.0
+    fidelity_rows: int = 0
+    fidelity_agreed: int = 0
 
 
 class FlashHeadStatus(_WorkerReply):
@@ -131,6 +133,7 @@ class FlashHeadStatus(_WorkerReply):
     dense_batch_threshold: int | None = None
     probe_sampling: bool | None = None
     pinned_token_ids: list[int] | None = None
+    fidelity_every: int | None = None
     backend: str | None = None
     extra_memory_bytes: int | None = None
     counters: FlashHeadCounters = Field(default_factory=FlashHeadCounters)

@@ -51,6 +51,7 @@ DENSE_CODE = {name: code for code, name in enumerate(_REASON_BY_CODE) if name}
 DEFAULT_DENSE_BATCH_THRESHOLD_CPU = 16  # bench/serve.py, 2-core CPU: 1.35x at 8 rows, 0.98x at 32
 DEFAULT_DENSE_BATCH_THRESHOLD_GPU = 64  # not measured yet: rerun bench/serve.py on a GPU
 UPDATE_FIELDS = ("enabled", "n_probes", "dense_batch_threshold")
+DEFAULT_FIDELITY_EVERY = 100  # 1% of FlashHead rows also get the dense argmax (live fidelity telemetry)
 
 #: `SamplingParams` fields that need exact dense logits when a request sets them, checked in this order.
 DENSE_REQUEST_FIELDS = {
@@ -156,6 +157,7 @@ class FlashHeadSettings:
     dense_batch_threshold: int
     probe_sampling: bool
     backend: str
+    fidelity_every: int  # check one FlashHead row in this many against the dense head; 0 = off
 
 
 @dataclass
@@ -165,6 +167,8 @@ class FlashHeadCounters:
     rows_dense: Counter = field(default_factory=Counter)
     fallbacks: int = 0
     head_seconds: float = 0.0
+    fidelity_rows: int = 0
+    fidelity_agreed: int = 0
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -173,6 +177,8 @@ class FlashHeadCounters:
             "rows_dense": dict(sorted(self.rows_dense.items())),
             "fallbacks": self.fallbacks,
             "head_seconds": round(self.head_seconds, 6),
+            "fidelity_rows": self.fidelity_rows,
+            "fidelity_agreed": self.fidelity_agreed,
         }
 
 
@@ -232,6 +238,7 @@ def default_settings(config: dict[str, Any], num_clusters: int | None, device_ty
         dense_batch_threshold=env_int("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", default_threshold, minimum=0),
         probe_sampling=env_flag("MY_PKG_FLASHHEAD_PROBE_SAMPLING", True),
         backend=_backend_from_env(),
+        fidelity_every=env_int("MY_PKG_FLASHHEAD_FIDELITY_EVERY", DEFAULT_FIDELITY_EVERY, minimum=0),
     )
 
 
@@ -267,6 +274,8 @@ class FlashHeadController:
         #: Scored exactly on every FlashHead row: EOS and special tokens (see `stop_and_special_token_ids`).
         self.pinned_ids = tuple(sorted({int(i) for i in pinned_ids if 0 <= int(i) < vocab_size}))
         self._pinned: torch.Tensor | None = None
+        self._fidelity_credit = 0
+        self._fidelity_agreed: torch.Tensor | None = None  # on the device: no host sync per check
         self.counters = FlashHeadCounters()
         self._timer = _HeadTimer(self.counters)
         self._step_source: Callable[[], StepRows | None] | None = None
@@ -441,11 +450,36 @@ class FlashHeadController:
             rows_index = torch.arange(num_rows, device=hidden.device) if flash_index is None else flash_index
             logits[rows_index.unsqueeze(1), pins.unsqueeze(0)] = pin_logits.to(logits.dtype)
         self._timer.stop(token)
+        self._check_fidelity(flash_hidden, logits, flash_index, dense)
         if dense_rows.size:
             index = torch.from_numpy(dense_rows).to(hidden.device, non_blocking=True)
             logits[index] = dense(hidden.index_select(0, index)).to(logits.dtype)
         self.counters.rows_flashhead += num_rows - int(dense_rows.size)
         return logits
+
+    def _check_fidelity(
+        self,
+        flash_hidden: torch.Tensor,
+        logits: torch.Tensor,
+        flash_index: torch.Tensor | None,
+        dense: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Live fidelity telemetry: for one FlashHead row in `fidelity_every`, also compute
+        the dense logits and count whether FlashHead's best token is a dense argmax (ties agree)."""
+        every = self.settings.fidelity_every
+        if every <= 0:
+            return
+        self._fidelity_credit += int(flash_hidden.shape[0])
+        checks = min(int(flash_hidden.shape[0]), self._fidelity_credit // every)
+        if checks <= 0:
+            return
+        self._fidelity_credit -= checks * every
+        reference = dense(flash_hidden[:checks]).float()
+        served = logits[:checks] if flash_index is None else logits.index_select(0, flash_index[:checks])
+        picked = reference.gather(1, served.argmax(dim=1, keepdim=True)).squeeze(1)
+        agreed = (picked >= reference.max(dim=1).values).sum()
+        self._fidelity_agreed = agreed if self._fidelity_agreed is None else self._fidelity_agreed + agreed
+        self.counters.fidelity_rows += checks
 
     def _step_pins(self, rows: StepRows, device: torch.device) -> torch.Tensor | None:
         """Token ids scored exactly in this step, on `device`; None when there are none."""
@@ -476,6 +510,9 @@ class FlashHeadController:
 
     def status(self) -> dict[str, Any]:
         self._timer.collect(block=True)
+        if self._fidelity_agreed is not None:
+            self.counters.fidelity_agreed += int(self._fidelity_agreed)
+            self._fidelity_agreed = None
         head = self.head
         active = head is not None and self.settings.enabled
         if active:
@@ -499,6 +536,7 @@ class FlashHeadController:
             "dense_batch_threshold": self.settings.dense_batch_threshold,
             "probe_sampling": self.settings.probe_sampling,
             "pinned_token_ids": list(self.pinned_ids),
+            "fidelity_every": self.settings.fidelity_every,
             "backend": head.backend if head is not None else None,
             "extra_memory_bytes": head.extra_memory_bytes if head is not None else None,
             "counters": self.counters.snapshot(),

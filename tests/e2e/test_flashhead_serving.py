@@ -71,6 +71,9 @@ def test_every_cluster_probed_gives_the_dense_servers_tokens(fh, flashhead_serve
     assert after["rows_flashhead"] - before["rows_flashhead"] >= len(PROMPTS) * 47
     assert after["rows_dense"] == before["rows_dense"]
     assert after["fallbacks"] == 0
+    # Live fidelity telemetry: about one row in 100 was also checked against the dense head.
+    checked = after["fidelity_rows"] - before["fidelity_rows"]
+    assert checked >= 2 and after["fidelity_agreed"] - before["fidelity_agreed"] == checked
 
 
 def test_default_probes_serve_greedy_and_sampled_requests(fh, flashhead_server):

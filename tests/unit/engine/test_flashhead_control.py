@@ -241,3 +241,30 @@ def test_stop_and_special_token_ids_come_from_the_model_files(tmp_path):
         "9": {"content": "word", "special": False}}}))
     assert stop_and_special_token_ids(tmp_path, {"eos_token_id": 3}) == [0, 2, 3, 5, 7]
     assert stop_and_special_token_ids(tmp_path / "missing", {"text_config": {"eos_token_id": [4]}}) == [4]
+
+
+def test_live_fidelity_telemetry_checks_one_row_in_n_against_the_dense_head(weight, monkeypatch):
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_FIDELITY_EVERY", "4")
+    ctl = _pinned_controller(weight, [], n_probes=1)
+    assert ctl.status()["fidelity_every"] == 4
+    torch.manual_seed(2)
+    for _ in range(8):  # 24 FlashHead rows: 6 checked
+        ctl.compute_logits(torch.randn(3, HIDDEN) * 3, _rows([0, 0, 0]), _dense(weight), lambda x: x)
+    counters = ctl.status()["counters"]
+    assert counters["fidelity_rows"] == 6
+    assert 0 <= counters["fidelity_agreed"] < 6  # one probe of 32 clusters misses some argmaxes
+
+    ctl.apply({"n_probes": CLUSTERS})  # every cluster probed: FlashHead is the dense head
+    for _ in range(4):
+        ctl.compute_logits(torch.randn(3, HIDDEN) * 3, _rows([0, 0, 0]), _dense(weight), lambda x: x)
+    after = ctl.status()["counters"]
+    assert after["fidelity_rows"] == 9 and after["fidelity_agreed"] - counters["fidelity_agreed"] == 3
+
+
+def test_fidelity_telemetry_off(weight, monkeypatch):
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_FIDELITY_EVERY", "0")
+    ctl = _pinned_controller(weight, [])
+    calls = []
+    dense = _dense(weight)
+    ctl.compute_logits(torch.randn(5, HIDDEN), _rows([0] * 5), lambda h: calls.append(h) or dense(h), lambda x: x)
+    assert calls == [] and ctl.status()["counters"]["fidelity_rows"] == 0
