@@ -5,9 +5,13 @@ and ``/cohere``; ``/plugins/*`` is open unless the plugin guards it itself.
 :func:`require_admin_auth` is installed as a dependency of the plugin's
 ``APIRouter`` so that every route of the router runs it before its handler.
 
-Accepted tokens: ``MY_PKG_ADMIN_TOKEN`` plus the server's API keys, taken the
-way vLLM takes them (``--api-key`` values, or ``VLLM_API_KEY`` when no
-``--api-key`` was given).
+Two roles, least privilege:
+
+- *admin* (every route, mutations included): ``MY_PKG_ADMIN_TOKEN``;
+- *read* (GET/HEAD routes only): ``MY_PKG_READ_TOKEN`` and the server's API
+  keys, taken the way vLLM takes them (``--api-key`` values, or
+  ``VLLM_API_KEY`` when no ``--api-key`` was given). Those keys are shared
+  with every inference client, so they never grant mutations.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from starlette.requests import Request
 
 from my_pkg.endpoints.config import (
     ENV_ADMIN_TOKEN,
+    ENV_READ_TOKEN,
     ENV_VLLM_API_KEY,
     STATE_ATTR,
 )
@@ -34,6 +39,9 @@ SAFE_METHODS = frozenset({"GET", "HEAD"})
 
 WWW_AUTHENTICATE = 'Bearer realm="my_pkg"'
 
+ADMIN = "admin"
+READ = "read"
+
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
@@ -41,27 +49,42 @@ def _digest(token: str) -> bytes:
 
 @dataclass(frozen=True)
 class TokenSet:
-    """Hashes of the accepted tokens plus where they came from."""
+    """Hashes of the accepted tokens, the role each grants, and where they came from."""
 
     digests: tuple[bytes, ...]
     sources: tuple[str, ...]
+    roles: tuple[str, ...] = ()  # per digest; empty means every token is admin (older callers)
 
     @property
     def configured(self) -> bool:
         return bool(self.digests)
 
-    def matches(self, presented: str) -> bool:
-        """Constant-time check of ``presented`` against every token.
+    @property
+    def has_admin(self) -> bool:
+        return any(self._role(i) == ADMIN for i in range(len(self.digests)))
+
+    def _role(self, index: int) -> str:
+        return self.roles[index] if self.roles else ADMIN
+
+    def role_of(self, presented: str) -> str | None:
+        """The role ``presented`` grants (admin over read), or None; constant time.
 
         All tokens are compared (no early exit) over fixed-size hashes, so the
         time taken does not depend on which token matched or on how much of a
         token was right.
         """
         candidate = _digest(presented)
-        ok = False
-        for digest in self.digests:
-            ok |= secrets.compare_digest(candidate, digest)
-        return ok
+        admin = read = False
+        for index, digest in enumerate(self.digests):
+            match = secrets.compare_digest(candidate, digest)
+            if self._role(index) == ADMIN:
+                admin |= match
+            else:
+                read |= match
+        return ADMIN if admin else READ if read else None
+
+    def matches(self, presented: str) -> bool:
+        return self.role_of(presented) is not None
 
 
 def _api_keys(args: Namespace | Any | None) -> list[str]:
@@ -72,34 +95,39 @@ def _api_keys(args: Namespace | Any | None) -> list[str]:
 
 
 def resolve_tokens(args: Namespace | Any | None = None) -> TokenSet:
-    """Tokens accepted on the admin routes, from the environment and ``args``."""
-    tokens: list[str] = []
+    """Tokens accepted on the admin routes and their roles, from the environment and ``args``."""
+    tokens: list[tuple[str, str]] = []
     sources: list[str] = []
 
-    admin = os.environ.get(ENV_ADMIN_TOKEN, "").strip()
-    if admin:
-        tokens.append(admin)
-        sources.append(ENV_ADMIN_TOKEN)
+    for env, role in ((ENV_ADMIN_TOKEN, ADMIN), (ENV_READ_TOKEN, READ)):
+        value = os.environ.get(env, "").strip()
+        if value:
+            tokens.append((value, role))
+            sources.append(env)
 
     # Same precedence as vLLM's own middleware: --api-key wins over the env.
     keys = _api_keys(args)
     if keys:
-        tokens.extend(keys)
+        tokens.extend((key, READ) for key in keys)
         sources.append("--api-key")
     else:
         env_key = os.environ.get(ENV_VLLM_API_KEY, "")
         if env_key:
-            tokens.append(env_key)
+            tokens.append((env_key, READ))
             sources.append(ENV_VLLM_API_KEY)
 
-    return TokenSet(tuple(_digest(t) for t in _dedupe(tokens)), tuple(sources))
+    unique = _dedupe(tokens)
+    return TokenSet(
+        tuple(_digest(token) for token, _ in unique), tuple(sources), tuple(role for _, role in unique)
+    )
 
 
-def _dedupe(items: Iterable[str]) -> list[str]:
-    seen: dict[str, None] = {}
-    for item in items:
-        seen.setdefault(item, None)
-    return list(seen)
+def _dedupe(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """First occurrence of each token wins (admin tokens come first)."""
+    seen: dict[str, str] = {}
+    for token, role in items:
+        seen.setdefault(token, role)
+    return list(seen.items())
 
 
 def _tokens_for_request(request: Request) -> TokenSet:
@@ -132,9 +160,11 @@ async def require_admin_auth(request: Request) -> None:
     * no token configured -> read-only methods pass, everything else gets 403.
     """
     tokens = _tokens_for_request(request)
+    mutating = request.method.upper() not in SAFE_METHODS
     if tokens.configured:
         presented = _bearer(request)
-        if presented is None or not tokens.matches(presented):
+        role = tokens.role_of(presented) if presented is not None else None
+        if role is None:
             raise AdminAPIError(
                 401,
                 "Missing or invalid bearer token."
@@ -143,20 +173,38 @@ async def require_admin_auth(request: Request) -> None:
                 type="authentication_error",
                 hint=(
                     "Send 'Authorization: Bearer <token>' with the value of "
-                    f"{ENV_ADMIN_TOKEN} or one of the server's API keys."
+                    f"{ENV_ADMIN_TOKEN}, {ENV_READ_TOKEN} (read routes only) or one "
+                    "of the server's API keys (read routes only)."
                 ),
                 headers={"WWW-Authenticate": WWW_AUTHENTICATE},
             )
+        request.state.my_pkg_role = role
+        if mutating and role != ADMIN:
+            raise AdminAPIError(
+                403,
+                "This route needs the admin role; the token sent has the read role.",
+                type="permission_error",
+                hint=(
+                    f"Send the value of {ENV_ADMIN_TOKEN}. {ENV_READ_TOKEN} and the "
+                    "server's API keys (shared with inference clients) grant read "
+                    "routes only."
+                    if tokens.has_admin
+                    else f"No admin token is configured: set {ENV_ADMIN_TOKEN} in the "
+                    "API server's environment and restart."
+                ),
+                required_role=ADMIN,
+                role=role,
+            )
         return
-    if request.method.upper() not in SAFE_METHODS:
+    if mutating:
         raise AdminAPIError(
             403,
             "Mutating admin routes are disabled because no admin token is "
-            "configured.",
+            "configured; this route needs the admin role.",
             type="permission_error",
             hint=(
-                f"Set {ENV_ADMIN_TOKEN} in the API server's environment (or "
-                "start vLLM with --api-key / VLLM_API_KEY), restart, and send "
-                "'Authorization: Bearer <token>'."
+                f"Set {ENV_ADMIN_TOKEN} in the API server's environment, restart, "
+                "and send 'Authorization: Bearer <token>'."
             ),
+            required_role=ADMIN,
         )

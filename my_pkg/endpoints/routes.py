@@ -51,7 +51,10 @@ def _error_doc(description: str) -> dict[str, Any]:
 
 COMMON_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _error_doc("Missing or invalid bearer token (a token is configured)."),
-    403: _error_doc("Mutating route while no admin token is configured."),
+    403: _error_doc(
+        "Mutating route with a read-role token (MY_PKG_READ_TOKEN or an API key), "
+        "or while no admin token is configured."
+    ),
     503: _error_doc(
         "No engine, engine half of the plugin not loaded, or a worker failed."
     ),

@@ -71,9 +71,9 @@ def logs_dir(e2e_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def flashhead_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """Both halves allowlisted, `--api-key` set, FlashHead model in float32."""
+    """Both halves allowlisted, `--api-key` set (read role) and an admin token, FlashHead model in float32."""
     with _server(flashhead_model, logs_dir, "flashhead",
-                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
+                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
                  ["--api-key", API_KEY]) as server:
         yield server
 

@@ -78,8 +78,10 @@ def test_api_key_protects_plugin_routes(flashhead_server):
             assert http.get(route).status_code == 401, route
             assert http.get(route, headers=auth("wrong-key")).status_code == 401, route
             assert http.get(route, headers=auth(API_KEY)).status_code == 200, route
-        # A mutating route with a wrong token changes nothing.
+        # A mutating route without the admin token changes nothing; the API key only reads.
         assert http.put("/plugins/my_pkg/flashhead", json={"enabled": False}).status_code == 401
+        refused = http.put("/plugins/my_pkg/flashhead", json={"enabled": False}, headers=auth(API_KEY))
+        assert refused.status_code == 403 and refused.json()["error"]["required_role"] == "admin"
         assert http.get("/plugins/my_pkg/flashhead", headers=auth()).json()["workers"][0]["enabled"] is True
         # Path variants never reach a handler without the token.
         for variant in ("/plugins/my_pkg/workers/", "/PLUGINS/my_pkg/workers", "/plugins/my_pkg/%77orkers",

@@ -105,16 +105,17 @@ def test_worker_stalled_during_reads_then_resumed(flashhead_server):
 
 
 def test_worker_stalled_during_an_update_applies_it_after_resuming(flashhead_server):
+    admin = auth(ADMIN_TOKEN)
     with client(flashhead_server) as http:
         before = http.get(FLASHHEAD, headers=auth()).json()["workers"][0]
         target = before["n_probes"] + 3
         pid = _worker_pids(http, auth())[0]
         try:
             with _stalled(pid):
-                response, elapsed = _timed(lambda: http.put(FLASHHEAD, json={"n_probes": target}, headers=auth()))
+                response, elapsed = _timed(lambda: http.put(FLASHHEAD, json={"n_probes": target}, headers=admin))
                 assert response.status_code == 504, response.text
                 assert "still pending" in response.json()["error"]["note"]
-                busy = http.put(FLASHHEAD, json={"n_probes": target + 1}, headers=auth())
+                busy = http.put(FLASHHEAD, json={"n_probes": target + 1}, headers=admin)
                 assert busy.status_code == 409 and busy.json()["error"]["type"] == "update_in_progress"
                 time.sleep(STALL_S - elapsed)
             applied = _eventually(
@@ -123,7 +124,7 @@ def test_worker_stalled_during_an_update_applies_it_after_resuming(flashhead_ser
             _assert_healthy(http, flashhead_server.model, auth(), auth())
         finally:
             restore = _eventually(lambda: http.put(
-                FLASHHEAD, json={"n_probes": before["n_probes"]}, headers=auth()).status_code == 200)
+                FLASHHEAD, json={"n_probes": before["n_probes"]}, headers=admin).status_code == 200)
             assert restore
 
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from e2e_support import DEFAULT_PROBES, NUM_CLUSTERS, auth, client
+from e2e_support import ADMIN_TOKEN, DEFAULT_PROBES, NUM_CLUSTERS, auth, client
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,7 @@ def _status(http) -> dict:
 
 
 def _put(http, body: dict, headers: dict | None = None):
-    return http.put(FLASHHEAD, json=body, headers=auth() if headers is None else headers)
+    return http.put(FLASHHEAD, json=body, headers=auth(ADMIN_TOKEN) if headers is None else headers)
 
 
 def _complete(http, model: str, prompt: str, **params) -> dict:

@@ -20,6 +20,7 @@ from my_pkg.endpoints.config import LOGGER_NAME
 
 ENV_VARS = (
     "MY_PKG_ADMIN_TOKEN",
+    "MY_PKG_READ_TOKEN",
     "MY_PKG_RPC_TIMEOUT",
     "MY_PKG_DISABLE",
     "VLLM_API_KEY",

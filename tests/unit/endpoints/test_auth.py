@@ -57,8 +57,51 @@ async def test_token_sources_accept_matching_bearer(
         for path in GET_PATHS:
             assert (await good.get(path)).status_code == 200, path
         r = await good.put("/plugins/my_pkg/flashhead", json=PUT_BODY)
-        assert r.status_code == 200, r.text
-    assert engine.fh[0]["n_probes"] == 8
+        if source == "admin_env":
+            assert r.status_code == 200, r.text
+        else:  # the server's API keys are shared with every inference client: read role only
+            err = assert_error(r, 403, "permission_error")
+            assert err["required_role"] == "admin" and err["role"] == "read"
+            assert "MY_PKG_ADMIN_TOKEN" in err["hint"]
+    assert engine.fh[0]["n_probes"] == (8 if source == "admin_env" else 4)
+
+
+async def test_read_token_reads_and_only_the_admin_token_mutates(
+    monkeypatch, engine, make_app, client_for, assert_error
+):
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "admin-t")
+    monkeypatch.setenv("MY_PKG_READ_TOKEN", "read-t")
+    app = await make_app(engine, api_key=["inference-key"])
+    for token in ("read-t", "inference-key"):
+        async with client_for(app, token=token) as reader:
+            for path in GET_PATHS:
+                assert (await reader.get(path)).status_code == 200, (token, path)
+            err = assert_error(await reader.put("/plugins/my_pkg/flashhead", json=PUT_BODY), 403,
+                               "permission_error")
+            assert err["required_role"] == "admin" and "admin role" in err["message"]
+            # An invalid body from a reader is refused for its role first, not validated.
+            assert_error(await reader.put("/plugins/my_pkg/flashhead", json={"n_probes": 0}), 403)
+    assert "my_pkg_flashhead_validate" not in engine.methods
+    async with client_for(app, token="admin-t") as admin:
+        assert (await admin.put("/plugins/my_pkg/flashhead", json=PUT_BODY)).status_code == 200
+    assert [fh["n_probes"] for fh in engine.fh] == [8, 8]
+
+
+async def test_read_tokens_without_an_admin_token_say_how_to_get_one(
+    monkeypatch, engine, make_app, client_for, assert_error
+):
+    monkeypatch.setenv("MY_PKG_READ_TOKEN", "read-t")
+    app = await make_app(engine)
+    async with client_for(app, token="read-t") as reader:
+        err = assert_error(await reader.put("/plugins/my_pkg/flashhead", json=PUT_BODY), 403)
+        assert "No admin token is configured" in err["hint"]
+
+
+def test_a_token_that_is_both_admin_and_api_key_is_admin(monkeypatch):
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "same")
+    tokens = resolve_tokens(type("A", (), {"api_key": ["same", "other"]})())
+    assert tokens.role_of("same") == "admin" and tokens.role_of("other") == "read"
+    assert tokens.role_of("nope") is None
 
 
 async def test_admin_token_and_api_keys_are_all_accepted(
@@ -121,7 +164,7 @@ async def test_no_token_get_allowed_put_forbidden(
         err = assert_error(
             await c.put("/plugins/my_pkg/flashhead", json=PUT_BODY), 403, "permission_error"
         )
-        assert "MY_PKG_ADMIN_TOKEN" in err["hint"] and "--api-key" in err["hint"]
+        assert "MY_PKG_ADMIN_TOKEN" in err["hint"] and err["required_role"] == "admin"
         # Invalid body too: 403 comes first, nothing reaches the workers.
         assert_error(await c.put("/plugins/my_pkg/flashhead", json={}), 403)
         # A token sent while none is configured does not unlock mutation.

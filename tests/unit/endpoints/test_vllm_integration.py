@@ -16,6 +16,7 @@ from my_pkg.endpoints.config import ROUTE_PREFIX, STATE_ATTR
 pytestmark = pytest.mark.anyio
 
 TOKEN = "s3cret"
+ADMIN = "admin-only-token"
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,7 @@ async def vllm_app(vllm_iface, monkeypatch, engine):
     from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
 
     monkeypatch.setenv("VLLM_PLUGINS", "my_pkg_admin,my_pkg_engine")
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", ADMIN)
     args = _server_args(api_key=[TOKEN])
     app = _core_app()
     app.state.args = args
@@ -114,13 +116,19 @@ async def test_api_key_guards_plugin_routes_and_errors_keep_our_format(
         assert preflight.status_code in (200, 400, 405)  # answered by CORS, not us
     assert engine.calls == []
     async with client_for(vllm_app, token=TOKEN) as c:
-        # vLLM maps validation errors to 400 in its own format; ours stay 422
-        err = assert_error(await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 0}),
-                           422, "invalid_request_error")
-        assert err["errors"]
+        # The server's API key reads; it never mutates (every inference client holds it).
+        err = assert_error(await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 3}),
+                           403, "permission_error")
+        assert err["required_role"] == "admin"
         engine.errors["my_pkg_worker_info"] = ValueError("bad")
         assert_error(await c.get("/plugins/my_pkg/workers"), 503, "worker_error")
-        assert (await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 3})).status_code == 200
+    assert "my_pkg_flashhead_validate" not in engine.methods
+    async with client_for(vllm_app, token=ADMIN) as admin:
+        # vLLM maps validation errors to 400 in its own format; ours stay 422
+        err = assert_error(await admin.put("/plugins/my_pkg/flashhead", json={"n_probes": 0}),
+                           422, "invalid_request_error")
+        assert err["errors"]
+        assert (await admin.put("/plugins/my_pkg/flashhead", json={"n_probes": 3})).status_code == 200
 
 
 async def test_render_server_no_engine(vllm_iface, monkeypatch, client_for, assert_error):
