@@ -91,6 +91,7 @@ class AdminHandler:
         #: Engine-side work still running: read calls keyed by (method, args),
         #: the one FlashHead update (validate, then apply) by ``UPDATE_KEY``.
         self.in_flight = SingleFlight()
+        self._warned_single_engine = False
 
     @property
     def has_engine(self) -> bool:
@@ -130,8 +131,7 @@ class AdminHandler:
         if not method.startswith(RPC_PREFIX):  # programming error guard
             raise ValueError(f"not a {RPC_PREFIX}* worker method: {method}")
         try:
-            # No `timeout=`: see the module docstring.
-            result = await self.engine_client.collective_rpc(method, args=tuple(args))
+            result = await self._every_engine(method, tuple(args))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -147,6 +147,32 @@ class AdminHandler:
         if not result:
             raise unexpected_reply_error(method, "no worker answered")
         return list(result)
+
+    async def _every_engine(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """`collective_rpc` on every engine core: one reply per worker of every DP rank.
+
+        vLLM's `EngineClient.collective_rpc` reaches only the first engine under
+        data parallelism; its engine-core client's `call_utility_all_async`
+        reaches each. No `timeout=` in either: see the module docstring.
+        """
+        core = getattr(self.engine_client, "engine_core", None)
+        engines = getattr(core, "core_engines", None)
+        call_all = getattr(core, "call_utility_all_async", None)
+        if isinstance(engines, list) and len(engines) > 1 and callable(call_all):
+            # One list per engine, in the order of `core_engines`: the data-parallel ranks.
+            per_engine = await call_all("collective_rpc", method, None, args, None)
+            return [
+                {**reply, "dp_rank": dp_rank} if isinstance(reply, Mapping) else reply
+                for dp_rank, replies in enumerate(per_engine)
+                for reply in replies
+            ]
+        if isinstance(engines, list) and len(engines) > 1 and not self._warned_single_engine:
+            self._warned_single_engine = True
+            logger.warning(
+                "This vLLM has %d engines but no way to call them all; admin calls reach "
+                "the first engine only.", len(engines),
+            )
+        return await self.engine_client.collective_rpc(method, args=args)
 
     async def call_parsed(self, method: str, model: type[BaseModel], *args: Hashable) -> list[Any]:
         """Like :meth:`call`, validating every worker's reply with ``model``
@@ -171,7 +197,7 @@ def parse_replies(method: str, model: type[BaseModel], replies: list[Any]) -> li
                 f"{exc.error_count()} error(s), first: {_first_error(exc)}",
             ) from exc
     if parsed and all(hasattr(p, "rank") for p in parsed):
-        parsed.sort(key=lambda p: p.rank)
+        parsed.sort(key=lambda p: (getattr(p, "dp_rank", 0), p.rank))
     return parsed
 
 

@@ -96,22 +96,23 @@ def render_metrics(statuses: Sequence[FlashHeadStatus]) -> str:
 
     for status in statuses:
         rank = ("rank", str(status.rank))
+        worker = [("dp_rank", str(status.dp_rank)), rank]
         c = status.counters
-        steps.add([rank], c.steps)
-        rows.add([rank, ("path", "flashhead")], c.rows_flashhead)
+        steps.add(worker, c.steps)
+        rows.add([*worker, ("path", "flashhead")], c.rows_flashhead)
         for reason in sorted(c.rows_dense):
-            rows.add([rank, ("path", "dense"), ("reason", reason)], c.rows_dense[reason])
-        fallbacks.add([rank], c.fallbacks)
-        seconds.add([rank], float(c.head_seconds))
-        fidelity_rows.add([rank], c.fidelity_rows)
-        fidelity_agreed.add([rank], c.fidelity_agreed)
-        available.add([rank], status.available)
-        enabled.add([rank], status.enabled)
-        active.add([rank], status.active)
+            rows.add([*worker, ("path", "dense"), ("reason", reason)], c.rows_dense[reason])
+        fallbacks.add(worker, c.fallbacks)
+        seconds.add(worker, float(c.head_seconds))
+        fidelity_rows.add(worker, c.fidelity_rows)
+        fidelity_agreed.add(worker, c.fidelity_agreed)
+        available.add(worker, status.available)
+        enabled.add(worker, status.enabled)
+        active.add(worker, status.active)
         if status.n_probes is not None:
-            n_probes.add([rank], status.n_probes)
+            n_probes.add(worker, status.n_probes)
         if status.dense_batch_threshold is not None:
-            threshold.add([rank], status.dense_batch_threshold)
+            threshold.add(worker, status.dense_batch_threshold)
 
     lines: list[str] = []
     for family in (

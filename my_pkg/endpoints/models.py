@@ -23,6 +23,12 @@ class _WorkerReply(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class _RankedReply(_WorkerReply):
+    """The reply of one worker: its rank within its engine, and the engine's data-parallel rank."""
+
+    dp_rank: int = Field(default=0, description="Data-parallel rank of the worker's engine.")
+
+
 # --------------------------------------------------------------------- errors
 class ErrorInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -40,7 +46,7 @@ class ErrorResponse(BaseModel):
 
 
 # --------------------------------------------------------------------- health
-class PingReply(_WorkerReply):
+class PingReply(_RankedReply):
     plugin: str
     version: str
     rank: int
@@ -74,7 +80,7 @@ class KVCacheInfo(_WorkerReply):
     num_blocks: int | None = None
 
 
-class WorkerInfo(_WorkerReply):
+class WorkerInfo(_RankedReply):
     rank: int
     local_rank: int | None = None
     world_size: int | None = None
@@ -95,7 +101,7 @@ class WorkersResponse(BaseModel):
 
 
 # --------------------------------------------------------------------- config
-class WorkerConfig(_WorkerReply):
+class WorkerConfig(_RankedReply):
     rank: int
     section: str
     config: dict[str, Any]
@@ -118,7 +124,7 @@ class FlashHeadCounters(_WorkerReply):
     fidelity_agreed: int = 0
 
 
-class FlashHeadStatus(_WorkerReply):
+class FlashHeadStatus(_RankedReply):
     rank: int
     pid: int | None = None
     available: bool
@@ -184,6 +190,6 @@ class FlashHeadUpdateResponse(BaseModel):
     workers: list[FlashHeadStatus]
 
 
-class ValidationReply(_WorkerReply):
+class ValidationReply(_RankedReply):
     rank: int
     errors: list[str] = Field(default_factory=list)

@@ -300,7 +300,7 @@ async def _update(handler: AdminHandler, update: dict[str, Any]) -> list[FlashHe
         "my_pkg_flashhead_validate", ValidationReply,
         await handler.call_unbounded("my_pkg_flashhead_validate", update),
     )
-    failing = [{"rank": c.rank, "errors": list(c.errors)} for c in checks if c.errors]
+    failing = [{"dp_rank": c.dp_rank, "rank": c.rank, "errors": list(c.errors)} for c in checks if c.errors]
     if failing:
         raise await _rejected(handler, update, failing)
     try:

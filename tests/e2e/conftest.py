@@ -183,3 +183,12 @@ def other_plugin_server(flashhead_model: Path, other_plugin_path: Path, logs_dir
                  {"VLLM_PLUGINS": f"other_logits,{BOTH_HALVES}", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
                   "PYTHONPATH": pythonpath}) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def dp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """Data parallel 2 on CPU: two engine cores (one worker each) behind one API server."""
+    with _server(flashhead_model, logs_dir, "dp2",
+                 {"VLLM_PLUGINS": BOTH_HALVES, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
+                 ["--data-parallel-size", "2"]) as server:
+        yield server

@@ -89,7 +89,7 @@ async def test_worker_side_rejection_on_one_rank_applies_nothing(
     engine.fh[1]["num_clusters"] = 6  # rank 0 accepts 8, rank 1 does not
     before = _state(engine)
     err = assert_error(await app_client.put(URL, json={"n_probes": 8}), 422, "invalid_update")
-    assert err["errors"] == [{"rank": 1, "errors": ["n_probes=8 exceeds num_clusters=6"]}]
+    assert err["errors"] == [{"dp_rank": 0, "rank": 1, "errors": ["n_probes=8 exceeds num_clusters=6"]}]
     assert err["update"] == {"n_probes": 8}
     assert "nothing was applied" in err["message"]
     assert "my_pkg_flashhead_apply" not in engine.methods

@@ -65,8 +65,8 @@ def parse_exposition(text: str) -> tuple[dict, dict]:
     return types, samples
 
 
-def L(**kw):  # noqa: N802
-    return frozenset(kw.items())
+def L(dp_rank="0", **kw):  # noqa: N802 - every series is labelled by the worker's DP rank and rank
+    return frozenset({"dp_rank": dp_rank, **kw}.items())
 
 
 async def test_metrics_route(monkeypatch, engine, make_app, client_for):
@@ -95,7 +95,7 @@ async def test_metrics_route(monkeypatch, engine, make_app, client_for):
         assert samples[("my_pkg_flashhead_head_seconds_total", L(rank=r_))] == 0.5 + rank
         assert samples[("my_pkg_flashhead_active", L(rank=r_))] == 1
         assert samples[("my_pkg_flashhead_n_probes", L(rank=r_))] == 4
-    assert 'my_pkg_flashhead_rows_total{rank="0",path="flashhead"} 100' in r.text.splitlines()
+    assert 'my_pkg_flashhead_rows_total{dp_rank="0",rank="0",path="flashhead"} 100' in r.text.splitlines()
 
 
 async def test_metrics_errors_are_json(monkeypatch, engine, make_app, client_for, assert_error):

@@ -70,7 +70,7 @@ async def test_config_sections(section, app_client, engine):
     assert r.status_code == 200
     body = r.json()
     assert body["section"] == section and body["num_workers"] == 2
-    assert body["workers"][0] == {"rank": 0, "section": section,
+    assert body["workers"][0] == {"rank": 0, "dp_rank": 0, "section": section,
                                   "config": {"max_num_seqs": 256}}
     assert engine.calls[-1]["args"] == (section,)
 
