@@ -54,6 +54,7 @@ class TokenSet:
     digests: tuple[bytes, ...]
     sources: tuple[str, ...]
     roles: tuple[str, ...] = ()  # per digest; empty means every token is admin (older callers)
+    token_sources: tuple[str, ...] = ()  # per digest: where that token came from
 
     @property
     def configured(self) -> bool:
@@ -66,22 +67,25 @@ class TokenSet:
     def _role(self, index: int) -> str:
         return self.roles[index] if self.roles else ADMIN
 
-    def role_of(self, presented: str) -> str | None:
-        """The role ``presented`` grants (admin over read), or None; constant time.
+    def identify(self, presented: str) -> tuple[str, str] | None:
+        """``(role, source)`` of the token ``presented`` (admin over read), or None; constant time.
 
         All tokens are compared (no early exit) over fixed-size hashes, so the
         time taken does not depend on which token matched or on how much of a
         token was right.
         """
         candidate = _digest(presented)
-        admin = read = False
-        for index, digest in enumerate(self.digests):
-            match = secrets.compare_digest(candidate, digest)
-            if self._role(index) == ADMIN:
-                admin |= match
-            else:
-                read |= match
-        return ADMIN if admin else READ if read else None
+        matches = [secrets.compare_digest(candidate, digest) for digest in self.digests]
+        found = None
+        for role in (ADMIN, READ):
+            for index, match in enumerate(matches):
+                if match and found is None and self._role(index) == role:
+                    found = (role, self.token_sources[index] if self.token_sources else "token")
+        return found
+
+    def role_of(self, presented: str) -> str | None:
+        identity = self.identify(presented)
+        return identity[0] if identity else None
 
     def matches(self, presented: str) -> bool:
         return self.role_of(presented) is not None
@@ -96,38 +100,41 @@ def _api_keys(args: Namespace | Any | None) -> list[str]:
 
 def resolve_tokens(args: Namespace | Any | None = None) -> TokenSet:
     """Tokens accepted on the admin routes and their roles, from the environment and ``args``."""
-    tokens: list[tuple[str, str]] = []
+    tokens: list[tuple[str, str, str]] = []  # (token, role, source)
     sources: list[str] = []
 
     for env, role in ((ENV_ADMIN_TOKEN, ADMIN), (ENV_READ_TOKEN, READ)):
         value = os.environ.get(env, "").strip()
         if value:
-            tokens.append((value, role))
+            tokens.append((value, role, env))
             sources.append(env)
 
     # Same precedence as vLLM's own middleware: --api-key wins over the env.
     keys = _api_keys(args)
     if keys:
-        tokens.extend((key, READ) for key in keys)
+        tokens.extend((key, READ, "--api-key") for key in keys)
         sources.append("--api-key")
     else:
         env_key = os.environ.get(ENV_VLLM_API_KEY, "")
         if env_key:
-            tokens.append((env_key, READ))
+            tokens.append((env_key, READ, ENV_VLLM_API_KEY))
             sources.append(ENV_VLLM_API_KEY)
 
     unique = _dedupe(tokens)
     return TokenSet(
-        tuple(_digest(token) for token, _ in unique), tuple(sources), tuple(role for _, role in unique)
+        tuple(_digest(token) for token, _, _ in unique),
+        tuple(sources),
+        tuple(role for _, role, _ in unique),
+        tuple(source for _, _, source in unique),
     )
 
 
-def _dedupe(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+def _dedupe(items: Iterable[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
     """First occurrence of each token wins (admin tokens come first)."""
-    seen: dict[str, str] = {}
-    for token, role in items:
-        seen.setdefault(token, role)
-    return list(seen.items())
+    seen: dict[str, tuple[str, str, str]] = {}
+    for item in items:
+        seen.setdefault(item[0], item)
+    return list(seen.values())
 
 
 def _tokens_for_request(request: Request) -> TokenSet:
@@ -163,8 +170,9 @@ async def require_admin_auth(request: Request) -> None:
     mutating = request.method.upper() not in SAFE_METHODS
     if tokens.configured:
         presented = _bearer(request)
-        role = tokens.role_of(presented) if presented is not None else None
-        if role is None:
+        identity = tokens.identify(presented) if presented is not None else None
+        role = identity[0] if identity else None
+        if identity is None:
             raise AdminAPIError(
                 401,
                 "Missing or invalid bearer token."
@@ -179,8 +187,10 @@ async def require_admin_auth(request: Request) -> None:
                 headers={"WWW-Authenticate": WWW_AUTHENTICATE},
             )
         request.state.my_pkg_role = role
+        request.state.my_pkg_token_source = identity[1]
+        request.state.my_pkg_token_fingerprint = hashlib.sha256(presented.encode("utf-8")).hexdigest()[:8]
         if mutating and role != ADMIN:
-            raise AdminAPIError(
+            raise _audited(request, AdminAPIError(
                 403,
                 "This route needs the admin role; the token sent has the read role.",
                 type="permission_error",
@@ -194,7 +204,7 @@ async def require_admin_auth(request: Request) -> None:
                 ),
                 required_role=ADMIN,
                 role=role,
-            )
+            ))
         return
     if mutating:
         raise AdminAPIError(
@@ -207,4 +217,28 @@ async def require_admin_auth(request: Request) -> None:
                 "and send 'Authorization: Bearer <token>'."
             ),
             required_role=ADMIN,
+        )
+
+
+def _audited(request: Request, error: AdminAPIError) -> AdminAPIError:
+    """Record a mutation refused to an authenticated caller; return the error to raise."""
+    handler = getattr(request.app.state, STATE_ATTR, None)
+    audit = getattr(handler, "audit", None)
+    if audit is not None:
+        from my_pkg.endpoints.audit import caller
+
+        audit.record(caller(request), error.status_code, "refused", reason=error.message)
+    return error
+
+
+async def require_admin_role(request: Request) -> None:
+    """Route dependency for admin-only reads (the audit log): 403 for any other caller."""
+    if getattr(request.state, "my_pkg_role", None) != ADMIN:
+        raise AdminAPIError(
+            403,
+            "This route needs the admin role.",
+            type="permission_error",
+            hint=f"Send the value of {ENV_ADMIN_TOKEN} (set it in the API server's environment).",
+            required_role=ADMIN,
+            role=getattr(request.state, "my_pkg_role", None),
         )

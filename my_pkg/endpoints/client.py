@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from my_pkg.endpoints.audit import AuditLog
 from my_pkg.endpoints.auth import TokenSet
 from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, logger
 from my_pkg.endpoints.errors import (
@@ -92,6 +93,7 @@ class AdminHandler:
         #: the one FlashHead update (validate, then apply) by ``UPDATE_KEY``.
         self.in_flight = SingleFlight()
         self._warned_single_engine = False
+        self.audit = AuditLog()
 
     @property
     def has_engine(self) -> bool:

@@ -193,3 +193,13 @@ class FlashHeadUpdateResponse(BaseModel):
 class ValidationReply(_RankedReply):
     rank: int
     errors: list[str] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- audit
+class AuditResponse(BaseModel):
+    size: int = Field(description="How many entries the ring keeps (MY_PKG_AUDIT_SIZE).")
+    num_entries: int
+    entries: list[dict[str, Any]] = Field(
+        description="Oldest first: time, request_id, role, token_source, token_sha256_prefix, "
+        "client, method, path, status_code, result, and update/before/after/reason where known."
+    )

@@ -12,7 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from my_pkg import CONFIG_SECTIONS, PLUGIN_NAME, __version__
-from my_pkg.endpoints.auth import require_admin_auth
+from my_pkg.endpoints.audit import REQUEST_ID_HEADER, caller, request_id
+from my_pkg.endpoints.auth import SAFE_METHODS, require_admin_auth, require_admin_role
 from my_pkg.endpoints.client import (
     UPDATE_KEY,
     AdminHandler,
@@ -28,6 +29,7 @@ from my_pkg.endpoints.config import (
 from my_pkg.endpoints.errors import AdminAPIError
 from my_pkg.endpoints.metrics import CONTENT_TYPE, render_metrics
 from my_pkg.endpoints.models import (
+    AuditResponse,
     ConfigResponse,
     ErrorResponse,
     FlashHeadStatus,
@@ -72,6 +74,12 @@ class AdminRoute(APIRoute):
         inner = super().get_route_handler()
 
         async def handler(request: Request) -> Response:
+            response = await answer(request)
+            response.headers[REQUEST_ID_HEADER] = request_id(request)
+            return response
+
+        async def answer(request: Request) -> Response:
+            request_id(request)
             try:
                 return await inner(request)
             except AdminAPIError as exc:
@@ -84,7 +92,10 @@ class AdminRoute(APIRoute):
                     await require_admin_auth(request)
                 except AdminAPIError as auth_error:
                     return auth_error.to_response()
-                return validation_error(exc).to_response()
+                error = validation_error(exc)
+                if request.method.upper() not in SAFE_METHODS:
+                    _record(request, error.status_code, "refused", reason=error.message)
+                return error.to_response()
             except (HTTPException, StarletteHTTPException) as exc:
                 return AdminAPIError(
                     exc.status_code,
@@ -249,7 +260,9 @@ def build_router() -> APIRouter:
         handler = get_handler(request)
         handler.check_engine_alive()
         update = body.to_update()
+        who = caller(request)
         if handler.in_flight.in_flight(UPDATE_KEY):
+            handler.audit.record(who, 409, "refused", reason="another update is in progress", update=update)
             raise AdminAPIError(
                 409,
                 "Another FlashHead update is still in progress (the workers have not "
@@ -260,7 +273,7 @@ def build_router() -> APIRouter:
             )
         # Validation and application run as one task that is never cancelled, so
         # an update whose wait expires is applied on every worker or on none.
-        task = handler.in_flight.start(UPDATE_KEY, lambda: _update(handler, update))
+        task = handler.in_flight.start(UPDATE_KEY, lambda: _update(handler, update, who))
         try:
             statuses = await handler.wait(task, "The FlashHead update")
         except AdminAPIError as exc:
@@ -270,10 +283,23 @@ def build_router() -> APIRouter:
                     "worker (or on none, if one rejects it) once the workers answer. "
                     f"Check GET {ROUTE_PREFIX}/flashhead."
                 )
+                handler.audit.record(who, 504, "pending", update=update)
             raise
         return FlashHeadUpdateResponse(
             applied=update, num_workers=len(statuses), workers=statuses
         )
+
+    @router.get(
+        "/audit",
+        response_model=AuditResponse,
+        dependencies=[Depends(require_admin_role)],
+        responses={403: _error_doc("The caller's token does not have the admin role.")},
+        summary="Recent mutations and refused mutations (admin role)",
+    )
+    async def audit(request: Request) -> AuditResponse:
+        handler = get_handler(request)
+        entries = handler.audit.entries()
+        return AuditResponse(size=handler.audit.size, num_entries=len(entries), entries=entries)
 
     @router.get(
         "/metrics",
@@ -294,8 +320,42 @@ def build_router() -> APIRouter:
     return router
 
 
-async def _update(handler: AdminHandler, update: dict[str, Any]) -> list[FlashHeadStatus]:
-    """Validate ``update`` on every worker, then apply it on every worker."""
+def _settings(statuses: list[FlashHeadStatus]) -> list[dict[str, Any]]:
+    return [
+        {"dp_rank": s.dp_rank, "rank": s.rank, "enabled": s.enabled, "n_probes": s.n_probes,
+         "dense_batch_threshold": s.dense_batch_threshold}
+        for s in statuses
+    ]
+
+
+def _record(request: Request, status_code: int, result: str, **details: Any) -> None:
+    handler = getattr(request.app.state, STATE_ATTR, None)
+    if isinstance(handler, AdminHandler):
+        handler.audit.record(caller(request), status_code, result, **details)
+
+
+async def _update(
+    handler: AdminHandler, update: dict[str, Any], who: dict[str, Any]
+) -> list[FlashHeadStatus]:
+    """Validate ``update`` on every worker, then apply it on every worker; audit the outcome."""
+    try:  # the settings before, for the audit log only: never a reason to refuse the update
+        before = _settings(parse_replies(
+            "my_pkg_flashhead_status", FlashHeadStatus,
+            await handler.call_unbounded("my_pkg_flashhead_status"),
+        ))
+    except AdminAPIError:
+        before = None
+    try:
+        statuses = await _validate_and_apply(handler, update)
+    except AdminAPIError as exc:
+        handler.audit.record(who, exc.status_code, "refused" if exc.status_code < 500 else "failed",
+                             update=update, reason=exc.message, before=before)
+        raise
+    handler.audit.record(who, 200, "applied", update=update, before=before, after=_settings(statuses))
+    return statuses
+
+
+async def _validate_and_apply(handler: AdminHandler, update: dict[str, Any]) -> list[FlashHeadStatus]:
     checks = parse_replies(
         "my_pkg_flashhead_validate", ValidationReply,
         await handler.call_unbounded("my_pkg_flashhead_validate", update),

@@ -70,10 +70,10 @@ async def test_valid_update_applied_on_all_workers(app_client, engine):
     assert body["num_workers"] == 2
     assert [w["n_probes"] for w in body["workers"]] == [8, 8]
     assert [w["enabled"] for w in body["workers"]] == [False, False]
-    assert engine.methods == ["my_pkg_flashhead_validate", "my_pkg_flashhead_apply"]
+    assert engine.methods == ["my_pkg_flashhead_status", "my_pkg_flashhead_validate", "my_pkg_flashhead_apply"]
     # only the given fields are sent, as the single positional argument
-    assert engine.calls[0]["args"] == ({"n_probes": 8, "enabled": False},)
     assert engine.calls[1]["args"] == ({"n_probes": 8, "enabled": False},)
+    assert engine.calls[2]["args"] == ({"n_probes": 8, "enabled": False},)
     assert _state(engine) == [(False, 8, 32), (False, 8, 32)]
 
 

@@ -75,7 +75,7 @@ async def test_an_update_whose_wait_expires_is_still_applied_on_every_worker(sta
     busy = assert_error(await c.put(FLASHHEAD, json={"n_probes": 5}), 409, "update_in_progress")
     assert busy["update"] == {"n_probes": 5}
     await _settle(handler)
-    assert engine.methods == ["my_pkg_flashhead_validate", "my_pkg_flashhead_apply"]
+    assert engine.methods == ["my_pkg_flashhead_status", "my_pkg_flashhead_validate", "my_pkg_flashhead_apply"]
     assert [fh["n_probes"] for fh in engine.fh] == [3, 3]
     engine.delay = 0.0
     r = await c.put(FLASHHEAD, json={"n_probes": 5})
