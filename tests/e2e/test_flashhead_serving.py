@@ -244,9 +244,9 @@ def test_metrics_expose_the_counters_by_rank(fh, flashhead_server):
     _complete(fh, flashhead_server.model, PROMPTS[0], max_tokens=4)
     counters = _status(fh)["counters"]
     text = fh.get("/plugins/my_pkg/metrics", headers=auth()).text
-    match = re.search(r'^my_pkg_flashhead_rows_total\{rank="0",path="flashhead"\} (\d+)', text, re.M)
+    match = re.search(r'^my_pkg_flashhead_rows_total\{dp_rank="0",rank="0",path="flashhead"\} (\d+)', text, re.M)
     assert match and int(match.group(1)) == counters["rows_flashhead"]
-    assert re.search(r'^my_pkg_flashhead_active\{rank="0"\} 1', text, re.M)
+    assert re.search(r'^my_pkg_flashhead_active\{dp_rank="0",rank="0"\} 1', text, re.M)
 
 
 def test_flashhead_model_without_the_plugin_is_refused(flashhead_model, logs_dir):
