@@ -123,3 +123,17 @@ def test_moved_internal_warns_once_and_leaves_that_component_alone():
     assert result["applied"]["model_registry"] is True
     assert result["methods"] == []
     assert stderr.count("vllm.v1.worker.worker_base.WorkerBase") == 1
+
+
+def test_vllms_model_inspection_subprocess_can_load_a_flashhead_entry():
+    """vLLM inspects an uncached architecture in a subprocess, pickling the registry entry."""
+    then = textwrap.dedent(
+        """
+        from vllm.model_executor.models.registry import _ModelInfo, _run_in_subprocess
+        entry = ModelRegistry.models["FlashHeadLlamaForCausalLM"]
+        info = _run_in_subprocess(lambda: _ModelInfo.from_model_cls(entry.load_model_cls()))
+        extra = {"entry": type(entry).__name__, "inspected": type(info).__name__}
+        """
+    )
+    result, _ = _probe(then=then)
+    assert result["entry"] == "FlashHeadRegisteredModel" and result["inspected"] == "_ModelInfo"
