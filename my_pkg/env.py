@@ -7,6 +7,25 @@ import os
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
+#: Every environment variable my_pkg reads, one line each; docs/configuration.md has the details
+#: (a unit test keeps the package, this table and that page in step).
+ENVIRONMENT_VARIABLES: dict[str, str] = {
+    # every vLLM process
+    "MY_PKG_DISABLE": "1 leaves vLLM completely untouched",
+    # engine half (workers)
+    "MY_PKG_FLASHHEAD": "0 serves FlashHead models with the dense head",
+    "MY_PKG_FLASHHEAD_N_PROBES": "clusters scored exactly per token at start-up",
+    "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD": "decode steps with more rows use the dense head",
+    "MY_PKG_FLASHHEAD_PROBE_SAMPLING": "sampled rows draw their clusters from the centroid softmax",
+    "MY_PKG_FLASHHEAD_BACKEND": "auto, torch or triton",
+    "MY_PKG_FLASHHEAD_FIDELITY_EVERY": "one FlashHead row in N also checked against the dense head",
+    # endpoint half (API server)
+    "MY_PKG_ADMIN_TOKEN": "bearer token of the admin role",
+    "MY_PKG_READ_TOKEN": "bearer token of the read role",
+    "MY_PKG_RPC_TIMEOUT": "seconds a route waits for the workers before answering 504",
+    "MY_PKG_AUDIT_SIZE": "entries kept by the audit log ring",
+}
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
