@@ -33,7 +33,7 @@ import torch
 
 from .head import FlashHead
 
-__all__ = ["EvalRow", "evaluate", "dense_agreement", "reference_logits", "synthetic_hidden_states", "synthetic_head", "load_hidden_states",
+__all__ = ["EvalRow", "evaluate", "dense_agreement", "synthetic_hidden_states", "synthetic_head", "load_hidden_states",
            "capture_hidden_states", "format_table"]
 
 
@@ -150,19 +150,19 @@ def _time_ms(fn, repeats: int) -> float:
     return statistics.median(ts)
 
 
-def reference_logits(head: FlashHead, hidden: torch.Tensor) -> torch.Tensor:
-    """Dense logits in float32 (the eval's reference), for ``hidden`` of any dtype."""
-    weight = head.weight[: head.vocab_size]
-    return torch.nn.functional.linear(hidden.float(), weight.float())
+def _float32_weight(head: FlashHead) -> torch.Tensor:
+    """The head's rows upcast to float32 once: the eval's reference."""
+    return head.weight[: head.vocab_size].float()
 
 
 def dense_agreement(head: FlashHead, hidden: torch.Tensor, *, batch: int = 256) -> float:
     """Fraction of rows where the dense head in its own dtype picks a float32 argmax (ties agree)."""
     hidden = hidden.to(head.weight.device)
+    weight32 = _float32_weight(head)
     agree = 0
     for s in range(0, hidden.shape[0], batch):
         h = hidden[s:s + batch]
-        reference = reference_logits(head, h)
+        reference = torch.nn.functional.linear(h.float(), weight32)
         pick = head.dense_logits(h.to(head.weight.dtype)).argmax(1, keepdim=True)
         agree += int((reference.gather(1, pick).squeeze(1) >= reference.max(1).values).sum())
     return agree / hidden.shape[0]
@@ -174,33 +174,30 @@ def evaluate(head: FlashHead, hidden: torch.Tensor, probes: list[int], *, batch:
 
     ``hidden`` is taken at the precision given (float32 hidden states stay
     float32 for the reference); FlashHead sees it cast to the head's dtype.
+    One pass over the states: each batch's reference logits serve every probe count.
     """
     hidden = hidden.to(head.weight.device)
     served = hidden.to(head.weight.dtype)
-    dense_top, dense_max = [], []
+    weight32 = _float32_weight(head)
+    probes = [min(p, head.num_clusters) for p in probes]
+    agree = [0] * len(probes)
+    contained = [0] * len(probes)
     for s in range(0, hidden.shape[0], batch):
-        logits = reference_logits(head, hidden[s:s + batch])
-        dense_top.append(torch.topk(logits, 5, dim=1).indices)
-        dense_max.append(logits.max(dim=1).values)
-    dense_top, dense_max = torch.cat(dense_top), torch.cat(dense_max)
+        reference = torch.nn.functional.linear(hidden[s:s + batch].float(), weight32)
+        top5 = torch.topk(reference, 5, dim=1).indices
+        best_dense = reference.max(dim=1).values
+        h = served[s:s + batch]
+        for i, p in enumerate(probes):
+            ids, _ = head.candidate_logits(h, head.select_probes(h, n_probes=p))
+            agree[i] += int((reference.gather(1, ids.long()).max(1).values >= best_dense).sum())
+            contained[i] += int((top5.unsqueeze(2) == ids.unsqueeze(1)).any(dim=2).sum())
     one = served[:1]
     dense_ms = _time_ms(lambda: head.dense_logits(one).argmax(1), time_repeats)
+    n = hidden.shape[0]
     rows = []
-    for p in probes:
-        p = min(p, head.num_clusters)
-        agree = 0
-        contained = 0
-        for s in range(0, hidden.shape[0], batch):
-            h = served[s:s + batch]
-            pr = head.select_probes(h, n_probes=p)
-            ids, _ = head.candidate_logits(h, pr)
-            best = reference_logits(head, hidden[s:s + batch]).gather(1, ids.long()).max(1).values
-            agree += int((best >= dense_max[s:s + batch]).sum())
-            top5 = dense_top[s:s + batch]
-            contained += int((top5.unsqueeze(2) == ids.unsqueeze(1)).any(dim=2).sum())
-        n = hidden.shape[0]
+    for i, p in enumerate(probes):
         ms = _time_ms(lambda: head.greedy(one, head.select_probes(one, n_probes=p)), time_repeats)
-        rows.append(EvalRow(p, head.num_clusters + p * head.cluster_size, agree / n, contained / (5 * n), ms))
+        rows.append(EvalRow(p, head.num_clusters + p * head.cluster_size, agree[i] / n, contained[i] / (5 * n), ms))
     return rows, dense_ms
 
 
