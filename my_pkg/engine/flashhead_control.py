@@ -273,7 +273,7 @@ class FlashHeadController:
         self.vocab_size = vocab_size
         #: Scored exactly on every FlashHead row: EOS and special tokens (see `stop_and_special_token_ids`).
         self.pinned_ids = tuple(sorted({int(i) for i in pinned_ids if 0 <= int(i) < vocab_size}))
-        self._pinned: torch.Tensor | None = None
+        self._pinned: tuple[Any, torch.Tensor | None] | None = None  # ((stop ids, device), ids)
         self._fidelity_credit = 0
         self._fidelity_agreed: torch.Tensor | None = None  # on the device: no host sync per check
         self.counters = FlashHeadCounters()
@@ -444,11 +444,13 @@ class FlashHeadController:
         else:
             flat_ids = token_ids + (flash_index * self.vocab_size).unsqueeze(1)
             logits.view(-1).scatter_(0, flat_ids.flatten(), candidate_logits.flatten())
-        pins = self._step_pins(rows, hidden.device)
+        pins = self._step_pins(rows.stop_ids, hidden.device)
         if pins is not None:  # EOS, special and stop tokens: exact on every row, probed or not
             pin_logits = postprocess(torch.nn.functional.linear(flash_hidden, self.head.weight.index_select(0, pins)))
-            rows_index = torch.arange(num_rows, device=hidden.device) if flash_index is None else flash_index
-            logits[rows_index.unsqueeze(1), pins.unsqueeze(0)] = pin_logits.to(logits.dtype)
+            if flash_index is None:
+                logits[:, pins] = pin_logits.to(logits.dtype)
+            else:
+                logits[flash_index.unsqueeze(1), pins] = pin_logits.to(logits.dtype)
         self._timer.stop(token)
         self._check_fidelity(flash_hidden, logits, flash_index, dense)
         if dense_rows.size:
@@ -481,14 +483,17 @@ class FlashHeadController:
         self._fidelity_agreed = agreed if self._fidelity_agreed is None else self._fidelity_agreed + agreed
         self.counters.fidelity_rows += checks
 
-    def _step_pins(self, rows: StepRows, device: torch.device) -> torch.Tensor | None:
-        """Token ids scored exactly in this step, on `device`; None when there are none."""
-        if self._pinned is None or self._pinned.device != device:
-            self._pinned = torch.tensor(self.pinned_ids, dtype=torch.long, device=device)
-        extra = [i for i in rows.stop_ids if 0 <= i < self.vocab_size and i not in self.pinned_ids]
-        if extra:
-            return torch.cat([self._pinned, torch.tensor(sorted(set(extra)), dtype=torch.long, device=device)])
-        return self._pinned if self.pinned_ids else None
+    def _step_pins(self, stop_ids: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+        """Token ids scored exactly in this step, on `device`; None when there are none.
+
+        Built once per distinct set of stop ids (the same requests share many
+        steps), so a step copies nothing to the device.
+        """
+        key = (stop_ids, device)
+        if self._pinned is None or self._pinned[0] != key:
+            ids = sorted(set(self.pinned_ids).union(i for i in stop_ids if 0 <= i < self.vocab_size))
+            self._pinned = (key, torch.tensor(ids, dtype=torch.long, device=device) if ids else None)
+        return self._pinned[1]
 
     def _all_dense(self, hidden: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor], reason: str) -> torch.Tensor:
         self.counters.rows_dense[reason] += hidden.shape[0]
