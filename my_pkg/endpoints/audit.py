@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from my_pkg.endpoints.config import LOGGER_NAME
+from my_pkg.endpoints.config import LOGGER_NAME, STATE_ATTR
 
 audit_logger = logging.getLogger(f"{LOGGER_NAME}.audit")
 
@@ -89,3 +89,10 @@ class AuditLog:
 
     def entries(self) -> list[dict[str, Any]]:
         return list(self._entries)
+
+
+def record_refusal(request: Request, status_code: int, reason: str) -> None:
+    """Record a mutation refused to `request`'s caller in the app's audit log (if the plugin is set up)."""
+    log = getattr(getattr(request.app.state, STATE_ATTR, None), "audit", None)
+    if isinstance(log, AuditLog):
+        log.record(caller(request), status_code, "refused", reason=reason)

@@ -26,6 +26,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from my_pkg.endpoints.audit import record_refusal
 from my_pkg.endpoints.config import (
     ENV_ADMIN_TOKEN,
     ENV_READ_TOKEN,
@@ -190,7 +191,7 @@ async def require_admin_auth(request: Request) -> None:
         request.state.my_pkg_token_source = identity[1]
         request.state.my_pkg_token_fingerprint = hashlib.sha256(presented.encode("utf-8")).hexdigest()[:8]
         if mutating and role != ADMIN:
-            raise _audited(request, AdminAPIError(
+            error = AdminAPIError(
                 403,
                 "This route needs the admin role; the token sent has the read role.",
                 type="permission_error",
@@ -204,7 +205,9 @@ async def require_admin_auth(request: Request) -> None:
                 ),
                 required_role=ADMIN,
                 role=role,
-            ))
+            )
+            record_refusal(request, error.status_code, error.message)
+            raise error
         return
     if mutating:
         raise AdminAPIError(
@@ -218,17 +221,6 @@ async def require_admin_auth(request: Request) -> None:
             ),
             required_role=ADMIN,
         )
-
-
-def _audited(request: Request, error: AdminAPIError) -> AdminAPIError:
-    """Record a mutation refused to an authenticated caller; return the error to raise."""
-    handler = getattr(request.app.state, STATE_ATTR, None)
-    audit = getattr(handler, "audit", None)
-    if audit is not None:
-        from my_pkg.endpoints.audit import caller
-
-        audit.record(caller(request), error.status_code, "refused", reason=error.message)
-    return error
 
 
 async def require_admin_role(request: Request) -> None:

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from my_pkg import CONFIG_SECTIONS, PLUGIN_NAME, __version__
-from my_pkg.endpoints.audit import REQUEST_ID_HEADER, caller, request_id
+from my_pkg.endpoints.audit import REQUEST_ID_HEADER, caller, record_refusal, request_id
 from my_pkg.endpoints.auth import SAFE_METHODS, require_admin_auth, require_admin_role
 from my_pkg.endpoints.client import (
     UPDATE_KEY,
@@ -79,7 +79,6 @@ class AdminRoute(APIRoute):
             return response
 
         async def answer(request: Request) -> Response:
-            request_id(request)
             try:
                 return await inner(request)
             except AdminAPIError as exc:
@@ -94,7 +93,7 @@ class AdminRoute(APIRoute):
                     return auth_error.to_response()
                 error = validation_error(exc)
                 if request.method.upper() not in SAFE_METHODS:
-                    _record(request, error.status_code, "refused", reason=error.message)
+                    record_refusal(request, error.status_code, error.message)
                 return error.to_response()
             except (HTTPException, StarletteHTTPException) as exc:
                 return AdminAPIError(
@@ -326,12 +325,6 @@ def _settings(statuses: list[FlashHeadStatus]) -> list[dict[str, Any]]:
          "dense_batch_threshold": s.dense_batch_threshold}
         for s in statuses
     ]
-
-
-def _record(request: Request, status_code: int, result: str, **details: Any) -> None:
-    handler = getattr(request.app.state, STATE_ATTR, None)
-    if isinstance(handler, AdminHandler):
-        handler.audit.record(caller(request), status_code, result, **details)
 
 
 async def _update(
