@@ -49,7 +49,7 @@ class SingleFlight:
     def __init__(self) -> None:
         self._tasks: dict[Hashable, asyncio.Task[Any]] = {}
 
-    def in_flight(self, key: Hashable) -> bool:
+    def running(self, key: Hashable) -> bool:
         task = self._tasks.get(key)
         return task is not None and not task.done()
 

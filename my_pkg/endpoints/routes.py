@@ -260,7 +260,7 @@ def build_router() -> APIRouter:
         handler.check_engine_alive()
         update = body.to_update()
         who = caller(request)
-        if handler.in_flight.in_flight(UPDATE_KEY):
+        if handler.in_flight.running(UPDATE_KEY):
             handler.audit.record(who, 409, "refused", reason="another update is in progress", update=update)
             raise AdminAPIError(
                 409,

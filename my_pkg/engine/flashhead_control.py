@@ -34,7 +34,6 @@ logger = logging.getLogger(f"vllm.{__name__}")
 # Why a row is served by the dense head. Codes index this tuple; 0 means "FlashHead ok".
 REQUEST_DENSE_REASONS = (
     "logprobs",
-    "prompt_logprobs",
     "structured_output",
     "logit_bias",
     "allowed_token_ids",
@@ -597,10 +596,6 @@ def status_without_controller(code: str = "no_assets", reason: str = NO_ASSETS_R
         "extra_memory_bytes": None,
         "counters": FlashHeadCounters().snapshot(),
     }
-
-
-def validate_without_controller(reason: str = NO_ASSETS_REASON) -> list[str]:
-    return [reason]
 
 
 _NOT_FOUND = object()

@@ -147,13 +147,8 @@ def my_pkg_flashhead_status(self: Any) -> dict[str, Any]:
 
 def my_pkg_flashhead_validate(self: Any, update: dict[str, Any]) -> dict[str, Any]:
     """Errors `update` would cause on this worker (empty when it can be applied)."""
-    from my_pkg.engine.flashhead_control import validate_without_controller
-
     controller = _controller(self)
-    if controller is not None:
-        errors = controller.validate(update)
-    else:
-        errors = validate_without_controller(_no_controller_reason()[1])
+    errors = controller.validate(update) if controller is not None else [_no_controller_reason()[1]]
     return {"rank": _rank(self), "errors": errors}
 
 
