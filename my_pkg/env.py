@@ -15,14 +15,17 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     # engine half (workers)
     "MY_PKG_FLASHHEAD": "0 serves FlashHead models with the dense head",
     "MY_PKG_FLASHHEAD_N_PROBES": "clusters scored exactly per token at start-up",
-    "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD": "decode steps with more rows use the dense head",
-    "MY_PKG_FLASHHEAD_PROBE_SAMPLING": "sampled rows draw their clusters from the centroid softmax",
+    "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD": "when set, decode steps with more rows use the dense head (unset: never)",
+    "MY_PKG_FLASHHEAD_PROBE_SAMPLING": "0 gives sampled rows the greedy rows' logits (no estimated tail, n_probes)",
+    "MY_PKG_FLASHHEAD_SAMPLED_N_PROBES": "clusters scored exactly for a sampled row (default follows n_probes)",
+    "MY_PKG_FLASHHEAD_SAMPLED_RANK": "rank of the residual term of a sampled row's estimated logits (0: off)",
     "MY_PKG_FLASHHEAD_BACKEND": "auto, torch or triton",
     "MY_PKG_FLASHHEAD_FIDELITY_EVERY": "one FlashHead row in N also checked against the dense head",
     # endpoint half (API server)
     "MY_PKG_ADMIN_TOKEN": "bearer token of the admin role",
     "MY_PKG_READ_TOKEN": "bearer token of the read role",
     "MY_PKG_RPC_TIMEOUT": "seconds a route waits for the workers before answering 504",
+    "MY_PKG_STATUS_MAX_AGE": "seconds a snapshot of the workers' status may be served before it is fetched again",
     "MY_PKG_AUDIT_SIZE": "entries kept by the audit log ring",
 }
 

@@ -22,8 +22,10 @@ import secrets
 from argparse import Namespace
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import Request
 
 from my_pkg.endpoints.audit import record_refusal
@@ -42,6 +44,18 @@ WWW_AUTHENTICATE = 'Bearer realm="my_pkg"'
 
 ADMIN = "admin"
 READ = "read"
+
+#: Parses `Authorization: Bearer <token>` and shows the scheme in the OpenAPI document; never answers
+#: by itself (`auto_error=False`), so :func:`require_admin_auth` decides 401 and 403 in its own format.
+bearer_scheme = HTTPBearer(
+    auto_error=False,
+    scheme_name="my_pkg_bearer",
+    description=(
+        "MY_PKG_ADMIN_TOKEN (admin role: every route), or MY_PKG_READ_TOKEN or one of the server's "
+        "API keys (read role: GET routes)."
+    ),
+)
+BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
 
 
 def _digest(token: str) -> bytes:
@@ -149,18 +163,7 @@ def _tokens_for_request(request: Request) -> TokenSet:
     return resolve_tokens(getattr(state, "args", None))
 
 
-def _bearer(request: Request) -> str | None:
-    value = request.headers.get("authorization")
-    if not value:
-        return None
-    scheme, _, param = value.strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    param = param.strip()
-    return param or None
-
-
-async def require_admin_auth(request: Request) -> None:
+async def require_admin_auth(request: Request, credentials: BearerCredentials) -> None:
     """Router-level dependency: authenticate every request of the plugin.
 
     * tokens configured -> a matching ``Authorization: Bearer`` is required
@@ -170,7 +173,7 @@ async def require_admin_auth(request: Request) -> None:
     tokens = _tokens_for_request(request)
     mutating = request.method.upper() not in SAFE_METHODS
     if tokens.configured:
-        presented = _bearer(request)
+        presented = credentials.credentials if credentials is not None else None
         identity = tokens.identify(presented) if presented is not None else None
         role = identity[0] if identity else None
         if identity is None:
@@ -221,6 +224,11 @@ async def require_admin_auth(request: Request) -> None:
             ),
             required_role=ADMIN,
         )
+
+
+async def authenticate(request: Request) -> None:
+    """:func:`require_admin_auth` outside FastAPI's dependency injection (the route class calls it)."""
+    await require_admin_auth(request, await bearer_scheme(request))
 
 
 async def require_admin_role(request: Request) -> None:

@@ -9,19 +9,34 @@ until the workers answer (or the engine dies, which fails it); the API server
 bounds only its own wait (`MY_PKG_RPC_TIMEOUT`, 504 when it expires) and drops
 the late result itself. Identical read calls in flight are coalesced
 (single-flight), so a stalled worker does not pile up RPCs behind it.
+
+How reads stay cheap under polling (every RPC occupies the engine core between
+two model steps):
+
+* replies that cannot change while the engine lives (`my_pkg_ping`,
+  `my_pkg_worker_info`, `my_pkg_config`) are fetched once and kept; they are
+  dropped when the set of workers changes (another pid, another rank);
+* everything that changes (`my_pkg_status`: memory, FlashHead state and
+  counters) is fetched by one call at a time into a snapshot that reads serve
+  while it is no older than `MY_PKG_STATUS_MAX_AGE` (age counted from when the
+  call was sent); a FlashHead update invalidates it, so a read after a `PUT`
+  sees the new settings.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from my_pkg.contract import RPC_PREFIX, STATUS, WorkerStatus
 from my_pkg.endpoints.audit import AuditLog
 from my_pkg.endpoints.auth import TokenSet
-from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, logger
+from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, DEFAULT_STATUS_MAX_AGE, logger
 from my_pkg.endpoints.errors import (
     AdminAPIError,
     classify_rpc_error,
@@ -32,10 +47,8 @@ from my_pkg.endpoints.errors import (
 if TYPE_CHECKING:
     from vllm.engine.protocol import EngineClient
 
-#: Prefix of every worker method of the engine half.
-RPC_PREFIX = "my_pkg_"
-
 T = TypeVar("T")
+R = TypeVar("R", bound=BaseModel)
 UPDATE_KEY = "flashhead_update"
 
 
@@ -72,12 +85,34 @@ class SingleFlight:
         return sum(not task.done() for task in self._tasks.values())
 
 
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """Every worker's `WorkerStatus`, sorted by (dp_rank, rank), and when the call for it was sent."""
+
+    workers: tuple[WorkerStatus, ...]
+    requested_at: float  # time.monotonic()
+
+    def age(self) -> float:
+        """Seconds since the call for this snapshot was sent."""
+        return max(0.0, time.monotonic() - self.requested_at)
+
+    @property
+    def worker_ids(self) -> frozenset[tuple[int, int, int | None]]:
+        return worker_ids(self.workers)
+
+
+def worker_ids(replies: Iterable[BaseModel]) -> frozenset[tuple[int, int, int | None]]:
+    """`(dp_rank, rank, pid)` of every worker that sent one of `replies`."""
+    return frozenset((getattr(r, "dp_rank", 0), getattr(r, "rank", 0), getattr(r, "pid", None)) for r in replies)
+
+
 class AdminHandler:
     """What ``init_state`` stores on ``app.state.my_pkg_admin``.
 
-    Wraps the engine client so that routes only ever see per-worker dicts or
-    an :class:`AdminAPIError` (503 worker failure / engine half missing, 504
-    timeout).  ``engine_client`` is ``None`` on the CPU-only render server.
+    Wraps the engine client so that routes only ever see validated worker
+    replies or an :class:`AdminAPIError` (503 worker failure / engine half
+    missing, 504 timeout). ``engine_client`` is ``None`` on the CPU-only
+    render server.
     """
 
     def __init__(
@@ -85,15 +120,24 @@ class AdminHandler:
         engine_client: EngineClient | Any | None,
         tokens: TokenSet,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+        status_max_age: float = DEFAULT_STATUS_MAX_AGE,
     ) -> None:
         self.engine_client = engine_client
         self.tokens = tokens
         self.rpc_timeout = float(rpc_timeout)
-        #: Engine-side work still running: read calls keyed by (method, args),
+        self.status_max_age = float(status_max_age)
+        #: Engine-side work still running: reads keyed by what they fetch,
         #: the one FlashHead update (validate, then apply) by ``UPDATE_KEY``.
         self.in_flight = SingleFlight()
         self._warned_single_engine = False
         self.audit = AuditLog()
+        #: The loop the routes run on; a metrics scrape from another thread schedules refreshes on it.
+        self.loop: asyncio.AbstractEventLoop | None = _running_loop()
+        self._static: dict[tuple[str, tuple[Hashable, ...]], list[Any]] = {}
+        self._static_generation = 0
+        self._snapshot: StatusSnapshot | None = None
+        self._status_generation = 0
+        self._known_workers: frozenset[tuple[int, int, int | None]] | None = None
 
     @property
     def has_engine(self) -> bool:
@@ -115,20 +159,90 @@ class AdminHandler:
                 raise  # the task's own failure, already an AdminAPIError
             raise rpc_timeout_error(what, self.rpc_timeout) from exc
 
-    async def call(self, method: str, *args: Hashable) -> list[Any]:
-        """``collective_rpc(method, args)``: bounded wait here, none in vLLM.
+    # ---- data that cannot change while the engine lives --------------------------------------
 
-        An identical call already in flight is joined instead of sending
-        another one, so only side-effect-free methods go through here.
-        """
+    async def static(self, method: str, model: type[R], *args: Hashable) -> list[R]:
+        """The replies of ``method(*args)``, validated with ``model``: fetched once, then kept."""
         self.check_engine_alive()
-        task = self.in_flight.start((method, args), lambda: self.call_unbounded(method, *args))
+        key = (method, args)
+        cached = self._static.get(key)
+        if cached is not None:
+            return cached
+        task = self.in_flight.start(("static", key, self._static_generation), lambda: self._fetch_static(key, model))
         return await self.wait(task, f"Worker RPC {method}")
+
+    async def _fetch_static(self, key: tuple[str, tuple[Hashable, ...]], model: type[R]) -> list[R]:
+        generation = self._static_generation
+        method, args = key
+        replies = parse_replies(method, model, await self.call_unbounded(method, *args))
+        if generation == self._static_generation:  # kept even when every waiter gave up: it cannot change
+            self._static[key] = replies
+        return replies
+
+    async def identity(self, method: str, model: type[R], snapshot: StatusSnapshot) -> list[R]:
+        """Static replies of ``method`` from the workers of ``snapshot`` (fetched again if the workers changed)."""
+        replies = await self.static(method, model)
+        if worker_ids(replies) != snapshot.worker_ids:
+            self.forget_static()
+            replies = await self.static(method, model)
+        return replies
+
+    def forget_static(self) -> None:
+        self._static.clear()
+        self._static_generation += 1
+
+    # ---- data that changes: one snapshot, one call at a time --------------------------------
+
+    async def status(self) -> StatusSnapshot:
+        """The workers' status, no older than ``status_max_age`` (fetched when it is)."""
+        self.check_engine_alive()
+        snapshot = self._snapshot
+        if snapshot is not None and snapshot.age() <= self.status_max_age:
+            return snapshot
+        return await self.wait(self._refresh_status(), f"Worker RPC {STATUS}")
+
+    def last_status(self) -> StatusSnapshot | None:
+        """The latest snapshot, however old (None before the first one); never calls the workers."""
+        return self._snapshot
+
+    def refresh_status_soon(self) -> None:
+        """Start fetching a new snapshot when the latest one is missing or too old; does not wait for it.
+
+        Runs on the event loop (a metrics scrape from another thread schedules it there).
+        """
+        if self.engine_client is None or getattr(self.engine_client, "errored", False) is True:
+            return
+        snapshot = self._snapshot
+        if snapshot is None or snapshot.age() > self.status_max_age:
+            self._refresh_status()
+
+    def invalidate_status(self) -> None:
+        """Drop the snapshot, and any still in flight: the next read fetches the workers' status anew."""
+        self._status_generation += 1
+        self._snapshot = None
+
+    def _refresh_status(self) -> asyncio.Task[StatusSnapshot]:
+        return self.in_flight.start((STATUS, self._status_generation), self._fetch_status)
+
+    async def _fetch_status(self) -> StatusSnapshot:
+        generation, requested_at = self._status_generation, time.monotonic()
+        workers = parse_replies(STATUS, WorkerStatus, await self.call_unbounded(STATUS))
+        snapshot = StatusSnapshot(tuple(workers), requested_at)
+        current = self._snapshot
+        if generation == self._status_generation and (current is None or current.requested_at <= requested_at):
+            self._snapshot = snapshot
+        if self._known_workers is not None and snapshot.worker_ids != self._known_workers:
+            logger.info("The engine's workers changed; fetching their identity and configuration again.")
+            self.forget_static()
+        self._known_workers = snapshot.worker_ids
+        return snapshot
+
+    # ---- the engine-side call ---------------------------------------------------------------
 
     async def call_unbounded(self, method: str, *args: Any) -> list[Any]:
         """The engine-side call itself: waits for as long as the workers take.
 
-        Only run it inside a task that :meth:`wait` bounds (see :meth:`call`).
+        Only run it inside a task that :meth:`wait` bounds.
         """
         if not method.startswith(RPC_PREFIX):  # programming error guard
             raise ValueError(f"not a {RPC_PREFIX}* worker method: {method}")
@@ -176,14 +290,17 @@ class AdminHandler:
             )
         return await self.engine_client.collective_rpc(method, args=args)
 
-    async def call_parsed(self, method: str, model: type[BaseModel], *args: Hashable) -> list[Any]:
-        """Like :meth:`call`, validating every worker's reply with ``model``
-        and returning them sorted by rank."""
-        return parse_replies(method, model, await self.call(method, *args))
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
-def parse_replies(method: str, model: type[BaseModel], replies: list[Any]) -> list[Any]:
-    parsed = []
+def parse_replies(method: str, model: type[R], replies: list[Any]) -> list[R]:
+    """Every worker's reply validated with ``model``, sorted by (dp_rank, rank); 503 for any that is not valid."""
+    parsed: list[R] = []
     for index, reply in enumerate(replies):
         if not isinstance(reply, Mapping):
             raise unexpected_reply_error(

@@ -39,32 +39,35 @@ ENV_VLLM_API_KEY = "VLLM_API_KEY"
 ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 
 DEFAULT_RPC_TIMEOUT = 10.0
+ENV_STATUS_MAX_AGE = "MY_PKG_STATUS_MAX_AGE"
+DEFAULT_STATUS_MAX_AGE = 1.0
 
 
-
-def rpc_timeout_from_env() -> float:
-    """Worker RPC timeout in seconds from ``MY_PKG_RPC_TIMEOUT``.
-
-    Unset or empty gives the default; anything that is not a finite positive
-    number also gives the default, with a warning.
-    """
-    raw = os.environ.get(ENV_RPC_TIMEOUT)
+def _seconds_from_env(name: str, default: float, *, allow_zero: bool) -> float:
+    """A finite number of seconds from the environment; unset or blank gives `default`,
+    anything invalid (not a number, negative, zero unless allowed, nan, inf) too, with a warning."""
+    raw = os.environ.get(name)
     if raw is None or not raw.strip():
-        return DEFAULT_RPC_TIMEOUT
+        return default
     try:
         value = float(raw.strip())
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        logger.warning(
-            "Ignoring invalid %s=%r (expected a positive number of seconds); "
-            "using the default of %.0f s.",
-            ENV_RPC_TIMEOUT,
-            raw,
-            DEFAULT_RPC_TIMEOUT,
-        )
-        return DEFAULT_RPC_TIMEOUT
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        expected = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
+        logger.warning("Ignoring invalid %s=%r (expected %s); using the default of %g s.", name, raw, expected, default)
+        return default
     return value
+
+
+def rpc_timeout_from_env() -> float:
+    """Seconds a route waits for the workers (`MY_PKG_RPC_TIMEOUT`, > 0)."""
+    return _seconds_from_env(ENV_RPC_TIMEOUT, DEFAULT_RPC_TIMEOUT, allow_zero=False)
+
+
+def status_max_age_from_env() -> float:
+    """Oldest status snapshot a read may be served from (`MY_PKG_STATUS_MAX_AGE`, >= 0; 0 fetches every time)."""
+    return _seconds_from_env(ENV_STATUS_MAX_AGE, DEFAULT_STATUS_MAX_AGE, allow_zero=True)
 
 
 def vllm_plugins_allowlist() -> list[str] | None:

@@ -1,123 +1,170 @@
-"""Prometheus text exposition (format 0.0.4) of the FlashHead counters."""
+"""The plugin's metrics: a `prometheus_client` collector over the workers' status snapshot.
+
+One collector class serves both places the metrics appear:
+
+* vLLM's own `/metrics` (the API server's process-wide registry): :func:`expose_on_registry`
+  registers one collector per process, bound to the latest app's :class:`AdminHandler`. A
+  scrape reads the handler's last snapshot, however old (its age is a gauge), and never calls
+  or waits for the workers: it only schedules a background refresh when the snapshot is older
+  than `MY_PKG_STATUS_MAX_AGE`, for the next scrape to read;
+* `GET /plugins/my_pkg/metrics`: :func:`render` of a snapshot the route fetched (no older than
+  the max age).
+
+Series are labelled by `dp_rank` (the engine) and `rank` (the worker within it).
+"""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+import os
+import weakref
+from collections.abc import Callable, Iterable
 
-from my_pkg.endpoints.models import FlashHeadStatus
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from my_pkg.endpoints.client import AdminHandler, StatusSnapshot
+from my_pkg.endpoints.config import logger
+
+#: Content type of the plugin's route: Prometheus text format 0.0.4, as vLLM's /metrics.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+#: Set by vLLM when it runs several API server processes: /metrics then serves multiprocess files only.
+ENV_PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 _PREFIX = "my_pkg_flashhead_"
+_WORKER = ("dp_rank", "rank")
 
 
-def escape_label_value(value: str) -> str:
-    """Escape a label value: backslash, double quote and line feed."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def families(snapshot: StatusSnapshot | None) -> list[Metric]:
+    """The metric families of ``snapshot``; without one, the families with no samples."""
+    def counter(name: str, doc: str) -> CounterMetricFamily:
+        return CounterMetricFamily(_PREFIX + name, doc, labels=_WORKER)
 
+    def gauge(name: str, doc: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(_PREFIX + name, doc, labels=_WORKER)
 
-def escape_help(text: str) -> str:
-    """Escape HELP text: backslash and line feed."""
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def format_value(value: float | int | bool) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(value)
-
-
-def _labels(pairs: Iterable[tuple[str, str]]) -> str:
-    inner = ",".join(f'{k}="{escape_label_value(str(v))}"' for k, v in pairs)
-    return "{" + inner + "}" if inner else ""
-
-
-class _Family:
-    def __init__(self, name: str, kind: str, help_text: str) -> None:
-        self.name = _PREFIX + name
-        self.kind = kind
-        self.help = help_text
-        self.samples: list[tuple[str, float | int | bool]] = []
-
-    def add(self, labels: Sequence[tuple[str, str]], value: float | int | bool) -> None:
-        self.samples.append((_labels(labels), value))
-
-    def render(self) -> list[str]:
-        lines = [
-            f"# HELP {self.name} {escape_help(self.help)}",
-            f"# TYPE {self.name} {self.kind}",
-        ]
-        lines.extend(f"{self.name}{lbl} {format_value(v)}" for lbl, v in self.samples)
-        return lines
-
-
-def render_metrics(statuses: Sequence[FlashHeadStatus]) -> str:
-    """Render the per-worker FlashHead status as Prometheus text."""
-    steps = _Family("steps_total", "counter", "Decode steps that ran the LM head.")
-    rows = _Family(
-        "rows_total",
-        "counter",
-        "Rows (tokens) through the LM head, by path (flashhead/dense) and, "
-        "for dense rows, the reason FlashHead was not used.",
+    steps = counter("steps", "Decode steps that ran the LM head.")
+    rows = CounterMetricFamily(
+        _PREFIX + "rows",
+        "Rows (tokens) through the LM head, by path (flashhead/dense) and, for dense rows, the reason "
+        "FlashHead was not used.",
     )
-    fallbacks = _Family(
-        "fallbacks_total", "counter", "FlashHead calls that fell back to the dense head."
-    )
-    seconds = _Family(
-        "head_seconds_total", "counter", "Seconds spent in the LM head."
-    )
-    fidelity_rows = _Family(
-        "fidelity_rows_total", "counter",
-        "FlashHead rows also checked against the dense head (live fidelity telemetry).",
-    )
-    fidelity_agreed = _Family(
-        "fidelity_agreed_total", "counter",
-        "Checked rows whose FlashHead best token is a dense argmax.",
-    )
-    available = _Family(
-        "available", "gauge", "1 when the model has FlashHead assets and the head was built."
-    )
-    enabled = _Family("enabled", "gauge", "1 when FlashHead is enabled.")
-    active = _Family("active", "gauge", "1 when FlashHead is in use now.")
-    n_probes = _Family("n_probes", "gauge", "Clusters probed per token.")
-    threshold = _Family(
-        "dense_batch_threshold",
-        "gauge",
-        "Batches with more rows than this use the dense head.",
+    fallbacks = counter("fallbacks", "FlashHead calls that fell back to the dense head.")
+    seconds = counter("head_seconds", "Seconds spent in the LM head.")
+    fidelity_rows = counter("fidelity_rows", "FlashHead rows also checked against the dense head (live fidelity).")
+    fidelity_agreed = counter("fidelity_agreed", "Checked rows whose FlashHead best token is a dense argmax.")
+    available = gauge("available", "1 when the model has FlashHead assets and nothing rules FlashHead out.")
+    enabled = gauge("enabled", "1 when FlashHead is enabled.")
+    active = gauge("active", "1 when FlashHead is in use now.")
+    n_probes = gauge("n_probes", "Clusters probed per token.")
+    threshold = gauge("dense_batch_threshold", "Decode steps with more rows than this use the dense head.")
+    age = GaugeMetricFamily(
+        "my_pkg_status_snapshot_age_seconds",
+        "Seconds since the workers' status these metrics come from was requested.",
     )
 
-    for status in statuses:
-        rank = ("rank", str(status.rank))
-        worker = [("dp_rank", str(status.dp_rank)), rank]
-        c = status.counters
-        steps.add(worker, c.steps)
-        rows.add([*worker, ("path", "flashhead")], c.rows_flashhead)
-        for reason in sorted(c.rows_dense):
-            rows.add([*worker, ("path", "dense"), ("reason", reason)], c.rows_dense[reason])
-        fallbacks.add(worker, c.fallbacks)
-        seconds.add(worker, float(c.head_seconds))
-        fidelity_rows.add(worker, c.fidelity_rows)
-        fidelity_agreed.add(worker, c.fidelity_agreed)
-        available.add(worker, status.available)
-        enabled.add(worker, status.enabled)
-        active.add(worker, status.active)
-        if status.n_probes is not None:
-            n_probes.add(worker, status.n_probes)
-        if status.dense_batch_threshold is not None:
-            threshold.add(worker, status.dense_batch_threshold)
+    for worker in snapshot.workers if snapshot is not None else ():
+        labels = [str(worker.dp_rank), str(worker.rank)]
+        state, counters = worker.flashhead, worker.flashhead.counters
+        steps.add_metric(labels, counters.steps)
+        # Flashhead rows carry no `reason` label (not even an empty one), as before this library rendered them.
+        rows.add_sample(rows.name + "_total", dict(zip(_WORKER, labels), path="flashhead"), counters.rows_flashhead)
+        for reason in sorted(counters.rows_dense):
+            rows.add_sample(rows.name + "_total", dict(zip(_WORKER, labels), path="dense", reason=reason),
+                            counters.rows_dense[reason])
+        fallbacks.add_metric(labels, counters.fallbacks)
+        seconds.add_metric(labels, counters.head_seconds)
+        fidelity_rows.add_metric(labels, counters.fidelity_rows)
+        fidelity_agreed.add_metric(labels, counters.fidelity_agreed)
+        available.add_metric(labels, state.available)
+        enabled.add_metric(labels, state.enabled)
+        active.add_metric(labels, state.active)
+        if state.n_probes is not None:
+            n_probes.add_metric(labels, state.n_probes)
+        if state.dense_batch_threshold is not None:
+            threshold.add_metric(labels, state.dense_batch_threshold)
+    if snapshot is not None:
+        age.add_metric([], snapshot.age())
+    return [steps, rows, fallbacks, seconds, fidelity_rows, fidelity_agreed, available, enabled, active, n_probes,
+            threshold, age]
 
-    lines: list[str] = []
-    for family in (
-        steps, rows, fallbacks, seconds, fidelity_rows, fidelity_agreed, available, enabled,
-        active, n_probes, threshold,
-    ):
-        lines.extend(family.render())
-    return "\n".join(lines) + "\n"
+
+def render(snapshot: StatusSnapshot) -> bytes:
+    """``snapshot`` in Prometheus text format 0.0.4 (the body of the plugin's metrics route)."""
+    return generate_latest(_SnapshotCollector(snapshot))
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: StatusSnapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        return families(self._snapshot)
+
+
+class ScrapeCollector(Collector):
+    """The collector on the process registry: reads the bound handler's last snapshot, never waits.
+
+    A failure here is logged once and yields no samples: it must never fail vLLM's own scrape.
+    """
+
+    def __init__(self) -> None:
+        self._handler: Callable[[], AdminHandler | None] = lambda: None
+        self._warned = False
+
+    def bind(self, handler: AdminHandler) -> None:
+        """Serve ``handler``'s snapshots from now on (the latest app of the process wins)."""
+        self._handler = weakref.ref(handler)
+
+    def describe(self) -> Iterable[Metric]:
+        return families(None)
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            handler = self._handler()
+            if handler is None:
+                return families(None)
+            _schedule_refresh(handler)
+            return families(handler.last_status())
+        except Exception:  # noqa: BLE001 - a broken plugin metric must not break vLLM's /metrics
+            if not self._warned:
+                self._warned = True
+                logger.exception("my_pkg metrics could not be collected; vLLM's /metrics goes on without them")
+            return []
+
+
+def _schedule_refresh(handler: AdminHandler) -> None:
+    """Ask ``handler``'s event loop to refresh a stale snapshot; a scrape may run on another thread."""
+    loop = handler.loop
+    if loop is None or loop.is_closed():
+        return
+    try:
+        loop.call_soon_threadsafe(handler.refresh_status_soon)
+    except RuntimeError:  # the loop closed in between
+        pass
+
+
+_SCRAPE_COLLECTOR = ScrapeCollector()
+_registered: weakref.WeakSet[CollectorRegistry] = weakref.WeakSet()
+
+
+def expose_on_registry(handler: AdminHandler, registry: CollectorRegistry = REGISTRY) -> ScrapeCollector:
+    """Serve ``handler``'s metrics from ``registry`` (default: the process registry vLLM's /metrics serves).
+
+    Idempotent: the collector is registered once per registry and rebound to the latest handler.
+    """
+    _SCRAPE_COLLECTOR.bind(handler)
+    if registry not in _registered:
+        registry.register(_SCRAPE_COLLECTOR)
+        _registered.add(registry)
+    if registry is REGISTRY and os.environ.get(ENV_PROMETHEUS_MULTIPROC_DIR):
+        logger.warning(
+            "%s is set (vLLM runs several API server processes): vLLM's /metrics then serves only "
+            "multiprocess metrics, so my_pkg's metrics are on /plugins/my_pkg/metrics only.",
+            ENV_PROMETHEUS_MULTIPROC_DIR,
+        )
+    return _SCRAPE_COLLECTOR
+
+
+__all__ = ["CONTENT_TYPE", "ScrapeCollector", "expose_on_registry", "families", "render"]

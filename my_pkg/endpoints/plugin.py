@@ -15,8 +15,10 @@ from my_pkg.endpoints.config import (
     engine_half_excluded_by_allowlist,
     logger,
     rpc_timeout_from_env,
+    status_max_age_from_env,
 )
-from my_pkg.endpoints.routes import build_router
+from my_pkg.endpoints.metrics import expose_on_registry
+from my_pkg.endpoints.routes import router
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -40,7 +42,7 @@ class AdminEndpointPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         """Register the routes; touches neither the engine nor app.state."""
-        app.include_router(build_router())
+        app.include_router(router)
 
     async def init_state(
         self,
@@ -49,8 +51,13 @@ class AdminEndpointPlugin:
         args: Namespace | Any | None,
     ) -> None:
         tokens = resolve_tokens(args)
-        handler = AdminHandler(engine_client, tokens, rpc_timeout_from_env())
+        handler = AdminHandler(engine_client, tokens, rpc_timeout_from_env(), status_max_age_from_env())
         setattr(state, STATE_ATTR, handler)
+        if engine_client is not None:
+            try:  # onto the registry vLLM's /metrics serves
+                expose_on_registry(handler)
+            except Exception:  # noqa: BLE001 - the admin API and vLLM's metrics work without ours
+                logger.exception("my_pkg metrics could not be added to the Prometheus registry")
 
         if engine_client is None:
             logger.info(
@@ -61,11 +68,12 @@ class AdminEndpointPlugin:
             )
         else:
             logger.info(
-                "%s %s admin routes at %s/* (RPC timeout %g s, auth: %s).",
+                "%s %s admin routes at %s/* (RPC timeout %g s, status max age %g s, auth: %s).",
                 PLUGIN_NAME,
                 __version__,
                 ROUTE_PREFIX,
                 handler.rpc_timeout,
+                handler.status_max_age,
                 ", ".join(tokens.sources) if tokens.configured else "none",
             )
         if not tokens.configured:

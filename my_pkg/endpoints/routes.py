@@ -1,19 +1,41 @@
-"""The admin API routes (all under ``/plugins/my_pkg``)."""
+"""The admin API routes (all under ``/plugins/my_pkg``), on one module-level router.
+
+Authentication is a dependency of the router itself, so it runs for every
+route declared on it, whatever the path or method, before the handler and
+before the body is validated.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
-from my_pkg import CONFIG_SECTIONS, PLUGIN_NAME, __version__
+from my_pkg import PLUGIN_NAME, __version__
+from my_pkg.contract import (
+    CONFIG,
+    CONFIG_SECTIONS,
+    FLASHHEAD_APPLY,
+    FLASHHEAD_STATUS,
+    FLASHHEAD_VALIDATE,
+    PING,
+    WORKER_INFO,
+    FlashHeadStatus,
+    FlashHeadUpdate,
+    MemoryInfo,
+    PingReply,
+    ValidationReply,
+    WorkerConfig,
+    WorkerIdentity,
+)
 from my_pkg.endpoints.audit import REQUEST_ID_HEADER, caller, record_refusal, request_id
-from my_pkg.endpoints.auth import SAFE_METHODS, require_admin_auth, require_admin_role
+from my_pkg.endpoints.auth import SAFE_METHODS, authenticate, require_admin_auth, require_admin_role
 from my_pkg.endpoints.client import (
     UPDATE_KEY,
     AdminHandler,
@@ -21,25 +43,17 @@ from my_pkg.endpoints.client import (
     not_initialised_error,
     parse_replies,
 )
-from my_pkg.endpoints.config import (
-    ROUTE_PREFIX,
-    STATE_ATTR,
-    logger,
-)
+from my_pkg.endpoints.config import ROUTE_PREFIX, STATE_ATTR, logger
 from my_pkg.endpoints.errors import AdminAPIError
-from my_pkg.endpoints.metrics import CONTENT_TYPE, render_metrics
+from my_pkg.endpoints.metrics import CONTENT_TYPE
+from my_pkg.endpoints.metrics import render as render_metrics
 from my_pkg.endpoints.models import (
     AuditResponse,
     ConfigResponse,
     ErrorResponse,
-    FlashHeadStatus,
     FlashHeadStatusResponse,
-    FlashHeadUpdate,
     FlashHeadUpdateResponse,
     HealthResponse,
-    PingReply,
-    ValidationReply,
-    WorkerConfig,
     WorkerInfo,
     WorkersResponse,
 )
@@ -70,6 +84,20 @@ class AdminRoute(APIRoute):
     that none of our routes answers 500 and the format does not depend on the
     exception handlers the hosting app installs."""
 
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette answers a wrong method with the methods of the first route whose path matched;
+        # `Allow` must list every method the path has across the router's routes.
+        if self.methods and scope["method"] not in self.methods:
+            allowed = sorted({m for r in router.routes if getattr(r, "path", None) == self.path
+                              for m in getattr(r, "methods", None) or ()})
+            error = AdminAPIError(
+                405, f"Method {scope['method']} is not allowed on {self.path}; allowed: {', '.join(allowed)}.",
+                type="method_not_allowed", headers={"Allow": ", ".join(allowed)},
+            )
+            await error.to_response()(scope, receive, send)
+            return
+        await super().handle(scope, receive, send)
+
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         inner = super().get_route_handler()
 
@@ -80,15 +108,20 @@ class AdminRoute(APIRoute):
 
         async def answer(request: Request) -> Response:
             try:
-                return await inner(request)
+                try:
+                    return await inner(request)
+                except StarletteHTTPException as exc:
+                    if exc.status_code == 400 and request.method.upper() not in SAFE_METHODS:
+                        raise _UnreadableBody() from exc  # FastAPI: a body it cannot decode at all
+                    raise
             except AdminAPIError as exc:
                 return exc.to_response()
-            except RequestValidationError as exc:
+            except (RequestValidationError, _UnreadableBody) as exc:
                 # FastAPI decodes a JSON body before it runs the dependencies,
                 # so a malformed body can fail before the auth check ran:
                 # authentication still decides first.
                 try:
-                    await require_admin_auth(request)
+                    await authenticate(request)
                 except AdminAPIError as auth_error:
                     return auth_error.to_response()
                 error = validation_error(exc)
@@ -115,7 +148,14 @@ class AdminRoute(APIRoute):
         return handler
 
 
-def validation_error(exc: RequestValidationError) -> AdminAPIError:
+class _UnreadableBody(Exception):
+    """A request body FastAPI could not decode (not UTF-8 or not JSON): the same 422 as invalid JSON."""
+
+    def errors(self) -> list[dict[str, Any]]:
+        return [{"loc": ("body",), "msg": "not valid JSON", "type": "json_invalid"}]
+
+
+def validation_error(exc: RequestValidationError | _UnreadableBody) -> AdminAPIError:
     details = []
     raw = exc.errors()
     for err in list(raw)[:MAX_REPORTED_VALIDATION_ERRORS]:
@@ -135,7 +175,7 @@ def validation_error(exc: RequestValidationError) -> AdminAPIError:
         type="invalid_request_error",
         hint=(
             "Send a JSON object with at least one of 'enabled' (bool), "
-            "'n_probes' (int >= 1), 'dense_batch_threshold' (int >= 0); "
+            "'n_probes' (int >= 1), 'dense_batch_threshold' (int >= 0, or null for never); "
             "no other fields."
         ),
         errors=details,
@@ -152,171 +192,156 @@ def get_handler(request: Request) -> AdminHandler:
     return handler
 
 
-def build_router() -> APIRouter:
-    """A fresh router holding every route of the plugin.
+Handler = Annotated[AdminHandler, Depends(get_handler)]
 
-    Authentication is a dependency of the router itself, so it runs for every
-    route declared on it, whatever the path or method.
-    """
-    router = APIRouter(
-        prefix=ROUTE_PREFIX,
-        tags=[f"{PLUGIN_NAME} admin"],
-        dependencies=[Depends(require_admin_auth)],
-        route_class=AdminRoute,
-        responses=COMMON_ERROR_RESPONSES,
-    )
+router = APIRouter(
+    prefix=ROUTE_PREFIX,
+    tags=[f"{PLUGIN_NAME} admin"],
+    dependencies=[Depends(require_admin_auth)],
+    route_class=AdminRoute,
+    responses=COMMON_ERROR_RESPONSES,
+)
 
-    @router.get(
-        "/health",
-        response_model=HealthResponse,
-        summary="Both halves of my_pkg loaded, same version, all workers answering",
-    )
-    async def health(request: Request) -> HealthResponse:
-        handler = get_handler(request)
-        # A missing engine half surfaces as a 503 "engine_plugin_missing"
-        # whose cause/hint come from diagnose_engine_half().
-        pings = await handler.call_parsed("my_pkg_ping", PingReply)
-        bad = [
-            {"rank": p.rank, "plugin": p.plugin, "version": p.version}
-            for p in pings
-            if p.plugin != PLUGIN_NAME or p.version != __version__
-        ]
-        if bad:
-            raise AdminAPIError(
-                503,
-                f"Version mismatch between the halves of {PLUGIN_NAME}: the API "
-                f"server runs {__version__}, "
-                + ", ".join(f"rank {b['rank']} runs {b['plugin']} {b['version']}" for b in bad)
-                + ".",
-                type="version_mismatch",
-                hint=(
-                    f"Install {PLUGIN_NAME}=={__version__} (one version) in the "
-                    "API server's and the workers' environments, then restart."
-                ),
-                cause="version_mismatch",
-                endpoint_version=__version__,
-                workers=bad,
-            )
-        return HealthResponse(
-            plugin=PLUGIN_NAME, version=__version__, num_workers=len(pings), workers=pings
-        )
 
-    @router.get(
-        "/workers", response_model=WorkersResponse, summary="Per-worker information"
-    )
-    async def workers(request: Request) -> WorkersResponse:
-        handler = get_handler(request)
-        infos = await handler.call_parsed("my_pkg_worker_info", WorkerInfo)
-        return WorkersResponse(num_workers=len(infos), workers=infos)
+def _age(seconds: float) -> float:
+    return round(seconds, 3)
 
-    @router.get(
-        "/config/{section}",
-        response_model=ConfigResponse,
-        responses={404: _error_doc("Unknown section (the body lists the valid ones).")},
-        summary="One section of the engine configuration, per worker",
-    )
-    async def config(section: str, request: Request) -> ConfigResponse:
-        if section not in CONFIG_SECTIONS:
-            raise AdminAPIError(
-                404,
-                f"Unknown config section {section!r}.",
-                type="not_found_error",
-                hint="Use one of: " + ", ".join(CONFIG_SECTIONS) + ".",
-                valid_sections=list(CONFIG_SECTIONS),
-            )
-        handler = get_handler(request)
-        configs = await handler.call_parsed("my_pkg_config", WorkerConfig, section)
-        return ConfigResponse(section=section, num_workers=len(configs), workers=configs)
 
-    @router.get(
-        "/flashhead",
-        response_model=FlashHeadStatusResponse,
-        summary="FlashHead status and counters, per worker",
-    )
-    async def flashhead_status(request: Request) -> FlashHeadStatusResponse:
-        handler = get_handler(request)
-        statuses = await handler.call_parsed("my_pkg_flashhead_status", FlashHeadStatus)
-        return FlashHeadStatusResponse(num_workers=len(statuses), workers=statuses)
-
-    @router.put(
-        "/flashhead",
-        response_model=FlashHeadUpdateResponse,
-        responses={
-            409: _error_doc(
-                "FlashHead is not available on this model, or another update is "
-                "still in progress."
+@router.get("/health", summary="Both halves of my_pkg loaded, same version, all workers answering")
+async def health(handler: Handler) -> HealthResponse:
+    # Liveness: every worker answered the status call within MY_PKG_STATUS_MAX_AGE. A missing engine
+    # half surfaces as a 503 "engine_plugin_missing" whose cause/hint come from diagnose_engine_half().
+    snapshot = await handler.status()
+    pings = await handler.identity(PING, PingReply, snapshot)
+    bad = [
+        {"rank": p.rank, "plugin": p.plugin, "version": p.version}
+        for p in pings
+        if p.plugin != PLUGIN_NAME or p.version != __version__
+    ]
+    if bad:
+        raise AdminAPIError(
+            503,
+            f"Version mismatch between the halves of {PLUGIN_NAME}: the API "
+            f"server runs {__version__}, "
+            + ", ".join(f"rank {b['rank']} runs {b['plugin']} {b['version']}" for b in bad)
+            + ".",
+            type="version_mismatch",
+            hint=(
+                f"Install {PLUGIN_NAME}=={__version__} (one version) in the "
+                "API server's and the workers' environments, then restart."
             ),
-            422: _error_doc(
-                "Invalid body, or the update was rejected by a worker "
-                "(nothing applied)."
-            ),
-        },
-        summary="Change FlashHead settings on all workers, or on none",
-    )
-    async def flashhead_update(
-        body: FlashHeadUpdate, request: Request
-    ) -> FlashHeadUpdateResponse:
-        handler = get_handler(request)
-        handler.check_engine_alive()
-        update = body.to_update()
-        who = caller(request)
-        if handler.in_flight.running(UPDATE_KEY):
-            handler.audit.record(who, 409, "refused", reason="another update is in progress", update=update)
-            raise AdminAPIError(
-                409,
-                "Another FlashHead update is still in progress (the workers have not "
-                "answered it yet); nothing was applied.",
-                type="update_in_progress",
-                hint=f"Retry later; GET {ROUTE_PREFIX}/flashhead shows the settings in force.",
-                update=update,
-            )
-        # Validation and application run as one task that is never cancelled, so
-        # an update whose wait expires is applied on every worker or on none.
-        task = handler.in_flight.start(UPDATE_KEY, lambda: _update(handler, update, who))
-        try:
-            statuses = await handler.wait(task, "The FlashHead update")
-        except AdminAPIError as exc:
-            if exc.status_code == 504:
-                exc.extra["note"] = (
-                    "The update is still pending in the engine: it is applied on every "
-                    "worker (or on none, if one rejects it) once the workers answer. "
-                    f"Check GET {ROUTE_PREFIX}/flashhead."
-                )
-                handler.audit.record(who, 504, "pending", update=update)
-            raise
-        return FlashHeadUpdateResponse(
-            applied=update, num_workers=len(statuses), workers=statuses
+            cause="version_mismatch",
+            endpoint_version=__version__,
+            workers=bad,
         )
+    return HealthResponse(plugin=PLUGIN_NAME, version=__version__, num_workers=len(pings),
+                          snapshot_age_s=_age(snapshot.age()), workers=pings)
 
-    @router.get(
-        "/audit",
-        response_model=AuditResponse,
-        dependencies=[Depends(require_admin_role)],
-        responses={403: _error_doc("The caller's token does not have the admin role.")},
-        summary="Recent mutations and refused mutations (admin role)",
-    )
-    async def audit(request: Request) -> AuditResponse:
-        handler = get_handler(request)
-        entries = handler.audit.entries()
-        return AuditResponse(size=handler.audit.size, num_entries=len(entries), entries=entries)
 
-    @router.get(
-        "/metrics",
-        response_class=Response,
-        responses={
-            200: {
-                "description": "Prometheus text exposition format 0.0.4.",
-                "content": {"text/plain": {"schema": {"type": "string"}}},
-            }
-        },
-        summary="FlashHead counters in Prometheus text format, labelled by rank",
-    )
-    async def metrics(request: Request) -> Response:
-        handler = get_handler(request)
-        statuses = await handler.call_parsed("my_pkg_flashhead_status", FlashHeadStatus)
-        return Response(render_metrics(statuses), media_type=CONTENT_TYPE)
+@router.get("/workers", summary="Per-worker information")
+async def workers(handler: Handler) -> WorkersResponse:
+    snapshot = await handler.status()
+    identities = await handler.identity(WORKER_INFO, WorkerIdentity, snapshot)
+    memory = {(s.dp_rank, s.rank): s.memory for s in snapshot.workers}
+    infos = [WorkerInfo(**i.model_dump(), memory=memory.get((i.dp_rank, i.rank), MemoryInfo())) for i in identities]
+    return WorkersResponse(num_workers=len(infos), snapshot_age_s=_age(snapshot.age()), workers=infos)
 
-    return router
+
+@router.get(
+    "/config/{section}",
+    responses={404: _error_doc("Unknown section (the body lists the valid ones).")},
+    summary="One section of the engine configuration, per worker",
+)
+async def config(section: str, handler: Handler) -> ConfigResponse:
+    if section not in CONFIG_SECTIONS:
+        raise AdminAPIError(
+            404,
+            f"Unknown config section {section!r}.",
+            type="not_found_error",
+            hint="Use one of: " + ", ".join(CONFIG_SECTIONS) + ".",
+            valid_sections=list(CONFIG_SECTIONS),
+        )
+    configs = await handler.static(CONFIG, WorkerConfig, section)
+    return ConfigResponse(section=section, num_workers=len(configs), workers=configs)
+
+
+@router.get("/flashhead", summary="FlashHead status and counters, per worker")
+async def flashhead_status(handler: Handler) -> FlashHeadStatusResponse:
+    snapshot = await handler.status()
+    statuses = [worker.flashhead_status() for worker in snapshot.workers]
+    return FlashHeadStatusResponse(num_workers=len(statuses), snapshot_age_s=_age(snapshot.age()),
+                                   workers=statuses)
+
+
+@router.put(
+    "/flashhead",
+    responses={
+        409: _error_doc(
+            "FlashHead is not available on this model, or another update is "
+            "still in progress."
+        ),
+        422: _error_doc(
+            "Invalid body, or the update was rejected by a worker "
+            "(nothing applied)."
+        ),
+    },
+    summary="Change FlashHead settings on all workers, or on none",
+)
+async def flashhead_update(body: FlashHeadUpdate, request: Request, handler: Handler) -> FlashHeadUpdateResponse:
+    handler.check_engine_alive()
+    update = body.to_update()
+    who = caller(request)
+    if handler.in_flight.running(UPDATE_KEY):
+        handler.audit.record(who, 409, "refused", reason="another update is in progress", update=update)
+        raise AdminAPIError(
+            409,
+            "Another FlashHead update is still in progress (the workers have not "
+            "answered it yet); nothing was applied.",
+            type="update_in_progress",
+            hint=f"Retry later; GET {ROUTE_PREFIX}/flashhead shows the settings in force.",
+            update=update,
+        )
+    # Validation and application run as one task that is never cancelled, so
+    # an update whose wait expires is applied on every worker or on none.
+    task = handler.in_flight.start(UPDATE_KEY, lambda: _update(handler, update, who))
+    try:
+        statuses = await handler.wait(task, "The FlashHead update")
+    except AdminAPIError as exc:
+        if exc.status_code == 504:
+            exc.extra["note"] = (
+                "The update is still pending in the engine: it is applied on every "
+                "worker (or on none, if one rejects it) once the workers answer. "
+                f"Check GET {ROUTE_PREFIX}/flashhead."
+            )
+            handler.audit.record(who, 504, "pending", update=update)
+        raise
+    return FlashHeadUpdateResponse(applied=update, num_workers=len(statuses), workers=statuses)
+
+
+@router.get(
+    "/audit",
+    dependencies=[Depends(require_admin_role)],
+    responses={403: _error_doc("The caller's token does not have the admin role.")},
+    summary="Recent mutations and refused mutations (admin role)",
+)
+async def audit(handler: Handler) -> AuditResponse:
+    entries = handler.audit.entries()
+    return AuditResponse(size=handler.audit.size, num_entries=len(entries), entries=entries)
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus text exposition format 0.0.4.",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
+    summary="FlashHead counters in Prometheus text format, labelled by dp_rank and rank",
+)
+async def metrics(handler: Handler) -> Response:
+    return Response(render_metrics(await handler.status()), media_type=CONTENT_TYPE)
 
 
 def _settings(statuses: list[FlashHeadStatus]) -> list[dict[str, Any]]:
@@ -330,12 +355,14 @@ def _settings(statuses: list[FlashHeadStatus]) -> list[dict[str, Any]]:
 async def _update(
     handler: AdminHandler, update: dict[str, Any], who: dict[str, Any]
 ) -> list[FlashHeadStatus]:
-    """Validate ``update`` on every worker, then apply it on every worker; audit the outcome."""
+    """Validate ``update`` on every worker, then apply it on every worker; audit the outcome.
+
+    Whatever the outcome, the status snapshot is dropped afterwards: a read
+    after the update sees the workers' settings as they are now.
+    """
     try:  # the settings before, for the audit log only: never a reason to refuse the update
-        before = _settings(parse_replies(
-            "my_pkg_flashhead_status", FlashHeadStatus,
-            await handler.call_unbounded("my_pkg_flashhead_status"),
-        ))
+        before = _settings(parse_replies(FLASHHEAD_STATUS, FlashHeadStatus,
+                                         await handler.call_unbounded(FLASHHEAD_STATUS)))
     except AdminAPIError:
         before = None
     try:
@@ -344,23 +371,21 @@ async def _update(
         handler.audit.record(who, exc.status_code, "refused" if exc.status_code < 500 else "failed",
                              update=update, reason=exc.message, before=before)
         raise
+    finally:
+        handler.invalidate_status()
     handler.audit.record(who, 200, "applied", update=update, before=before, after=_settings(statuses))
     return statuses
 
 
 async def _validate_and_apply(handler: AdminHandler, update: dict[str, Any]) -> list[FlashHeadStatus]:
-    checks = parse_replies(
-        "my_pkg_flashhead_validate", ValidationReply,
-        await handler.call_unbounded("my_pkg_flashhead_validate", update),
-    )
+    checks = parse_replies(FLASHHEAD_VALIDATE, ValidationReply,
+                           await handler.call_unbounded(FLASHHEAD_VALIDATE, update))
     failing = [{"dp_rank": c.dp_rank, "rank": c.rank, "errors": list(c.errors)} for c in checks if c.errors]
     if failing:
         raise await _rejected(handler, update, failing)
     try:
-        statuses = parse_replies(
-            "my_pkg_flashhead_apply", FlashHeadStatus,
-            await handler.call_unbounded("my_pkg_flashhead_apply", update),
-        )
+        statuses = parse_replies(FLASHHEAD_APPLY, FlashHeadStatus,
+                                 await handler.call_unbounded(FLASHHEAD_APPLY, update))
     except AdminAPIError as exc:
         logger.error(
             "FlashHead update %s passed validation but applying it failed; "
@@ -383,8 +408,7 @@ async def _rejected(
     """The error for an update that some worker refused (nothing applied)."""
     available: bool | None = None
     try:
-        statuses = await handler.call_parsed("my_pkg_flashhead_status", FlashHeadStatus)
-        available = all(s.available for s in statuses)
+        available = all(worker.flashhead.available for worker in (await handler.status()).workers)
     except AdminAPIError:
         available = None  # cannot tell; report the plain rejection
     if available is False:
@@ -409,4 +433,4 @@ async def _rejected(
     )
 
 
-__all__ = ["AdminRoute", "build_router", "get_handler"]
+__all__ = ["AdminRoute", "get_handler", "router"]

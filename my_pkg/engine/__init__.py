@@ -15,7 +15,7 @@ from my_pkg.env import plugin_disabled
 logger = logging.getLogger(f"vllm.{__name__}")
 
 # Applied in order; each is independent, so one that fails leaves the others in place.
-# `logits_processor` and `model_runner` are applied later, only for a FlashHead model.
+# `logits_processor` and `model_runner` (or `model_runner_v2`) are applied later, only for a FlashHead model.
 PATCHES = ("worker", "model_registry")
 
 _applied: dict[str, bool] = {}

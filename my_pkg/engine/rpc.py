@@ -2,15 +2,10 @@
 
 Each function here is attached to vLLM's `WorkerBase` by
 `patches/worker.py`, so `self` is the worker (CPU, GPU or any other type) and
-every rank answers. Results are plain JSON-safe values: no worker object, tensor
-or config object ever leaves the worker.
-
-Contract (also relied on by `my_pkg.endpoints`):
-- `my_pkg_ping()`
-- `my_pkg_worker_info()`
-- `my_pkg_config(section)` for `section` in `CONFIG_SECTIONS`
-- `my_pkg_flashhead_status()`, `my_pkg_flashhead_validate(update)`,
-  `my_pkg_flashhead_apply(update)`
+every rank answers. Names, arguments and replies are those of `my_pkg.contract`:
+each reply is built as its contract model and leaves as `model_dump(mode="json")`,
+made plain JSON data again on the way out (no worker object, tensor, config object
+or `str` subclass ever leaves the worker).
 """
 
 from __future__ import annotations
@@ -20,18 +15,36 @@ import os
 import socket
 from typing import Any, Callable
 
-from my_pkg import CONFIG_SECTIONS, PLUGIN_NAME, __version__
-from my_pkg.engine.jsonable import plain, to_jsonable
+from pydantic import BaseModel
 
+from my_pkg import PLUGIN_NAME, __version__
+from my_pkg.contract import (
+    CONFIG_SECTIONS,
+    FlashHeadState,
+    FlashHeadStatus,
+    FlashHeadUpdate,
+    MemoryInfo,
+    PingReply,
+    ValidationReply,
+    WorkerConfig,
+    WorkerIdentity,
+    WorkerStatus,
+    update_errors,
+)
+from my_pkg.engine.jsonable import plain, to_jsonable
 
 
 def _rank(worker: Any) -> int:
     return int(getattr(worker, "rank", 0) or 0)
 
 
+def _reply(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")
+
+
 def my_pkg_ping(self: Any) -> dict[str, Any]:
     """Cheapest proof that the engine half is loaded in this worker."""
-    return {"plugin": PLUGIN_NAME, "version": __version__, "rank": _rank(self), "pid": os.getpid()}
+    return _reply(PingReply(plugin=PLUGIN_NAME, version=__version__, rank=_rank(self), pid=os.getpid()))
 
 
 def _process_rss_bytes() -> int | None:
@@ -65,8 +78,18 @@ def _device_memory(device: Any) -> tuple[int | None, int | None]:
     return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
+def _memory(worker: Any) -> MemoryInfo:
+    allocated, reserved = _device_memory(getattr(worker, "device", None))
+    return MemoryInfo(
+        device_allocated_bytes=allocated,
+        device_reserved_bytes=reserved,
+        process_rss_bytes=_process_rss_bytes(),
+        kv_cache_bytes=_kv_cache_bytes(worker),
+    )
+
+
 def my_pkg_worker_info(self: Any) -> dict[str, Any]:
-    """Identity, versions, memory and model/KV-cache shape of this worker."""
+    """Identity, versions, model and KV-cache shape of this worker: nothing that changes while it runs."""
     import torch
 
     try:
@@ -79,9 +102,8 @@ def my_pkg_worker_info(self: Any) -> dict[str, Any]:
     cache_config = getattr(self, "cache_config", None)
     parallel_config = getattr(self, "parallel_config", None)
     device = getattr(self, "device", None)
-    allocated, reserved = _device_memory(device)
     num_blocks = getattr(cache_config, "num_gpu_blocks", None)
-    return {
+    return _reply(WorkerIdentity.model_validate({
         "rank": _rank(self),
         "local_rank": int(getattr(self, "local_rank", 0) or 0),
         "world_size": int(getattr(parallel_config, "world_size", 1) or 1),
@@ -91,12 +113,6 @@ def my_pkg_worker_info(self: Any) -> dict[str, Any]:
         "plugin_version": __version__,
         "torch_version": str(torch.__version__),
         "vllm_version": vllm_version,
-        "memory": {
-            "device_allocated_bytes": allocated,
-            "device_reserved_bytes": reserved,
-            "process_rss_bytes": _process_rss_bytes(),
-            "kv_cache_bytes": _kv_cache_bytes(self),
-        },
         "model": {
             "name": str(getattr(model_config, "served_model_name", None)
                         or getattr(model_config, "model", "")),
@@ -108,7 +124,7 @@ def my_pkg_worker_info(self: Any) -> dict[str, Any]:
             "block_size": getattr(cache_config, "block_size", None),
             "num_blocks": int(num_blocks) if num_blocks is not None else None,
         },
-    }
+    }))
 
 
 def my_pkg_config(self: Any, section: str) -> dict[str, Any]:
@@ -118,7 +134,7 @@ def my_pkg_config(self: Any, section: str) -> dict[str, Any]:
             f"unknown config section {section!r}; valid: {', '.join(CONFIG_SECTIONS)}"
         )
     config = getattr(self, f"{section}_config", None)
-    return {"rank": _rank(self), "section": section, "config": to_jsonable(config)}
+    return _reply(WorkerConfig(rank=_rank(self), section=section, config=to_jsonable(config)))
 
 
 def _controller(worker: Any):
@@ -136,20 +152,41 @@ def _no_controller_reason() -> tuple[str, str]:
     return ("logits_processor_taken", taken) if taken else ("no_assets", NO_ASSETS_REASON)
 
 
-def my_pkg_flashhead_status(self: Any) -> dict[str, Any]:
-    """FlashHead state and counters of this worker."""
+def _flashhead_state(worker: Any) -> FlashHeadState:
+    """The controller's `status()` dict (its keys are its contract), checked against ours."""
     from my_pkg.engine.flashhead_control import status_without_controller
 
-    controller = _controller(self)
+    controller = _controller(worker)
     status = controller.status() if controller is not None else status_without_controller(*_no_controller_reason())
-    return {"rank": _rank(self), "pid": os.getpid(), **status}
+    return FlashHeadState.model_validate(status)
+
+
+def my_pkg_status(self: Any) -> dict[str, Any]:
+    """Everything about this worker that changes while it runs: memory, FlashHead state and counters."""
+    return _reply(WorkerStatus(rank=_rank(self), pid=os.getpid(), memory=_memory(self),
+                               flashhead=_flashhead_state(self)))
+
+
+def my_pkg_flashhead_status(self: Any) -> dict[str, Any]:
+    """FlashHead state and counters of this worker."""
+    state = _flashhead_state(self).model_dump()
+    return _reply(FlashHeadStatus.model_validate({**state, "rank": _rank(self), "pid": os.getpid()}))
+
+
+def _update_errors(worker: Any, update: Any) -> list[str]:
+    """The contract's checks of `update`, then this worker's own (FlashHead available, cluster count)."""
+    errors = update_errors(update)
+    if errors:
+        return errors
+    controller = _controller(worker)
+    if controller is None:
+        return [_no_controller_reason()[1]]
+    return controller.validate(FlashHeadUpdate.model_validate(update).to_update())
 
 
 def my_pkg_flashhead_validate(self: Any, update: dict[str, Any]) -> dict[str, Any]:
-    """Errors `update` would cause on this worker (empty when it can be applied)."""
-    controller = _controller(self)
-    errors = controller.validate(update) if controller is not None else [_no_controller_reason()[1]]
-    return {"rank": _rank(self), "errors": errors}
+    """Errors `update` would cause on this worker (empty when it can be applied); changes nothing."""
+    return _reply(ValidationReply(rank=_rank(self), errors=_update_errors(self, update)))
 
 
 def my_pkg_flashhead_apply(self: Any, update: dict[str, Any]) -> dict[str, Any]:
@@ -157,10 +194,10 @@ def my_pkg_flashhead_apply(self: Any, update: dict[str, Any]) -> dict[str, Any]:
     controller = _controller(self)
     if controller is None:
         raise RuntimeError("FlashHead is not available on this worker")
-    errors = controller.validate(update)
+    errors = _update_errors(self, update)
     if errors:
         raise ValueError("; ".join(errors))
-    controller.apply(update)
+    controller.apply(FlashHeadUpdate.model_validate(update).to_update())
     return my_pkg_flashhead_status(self)
 
 
@@ -185,6 +222,7 @@ WORKER_METHODS = {
         my_pkg_ping,
         my_pkg_worker_info,
         my_pkg_config,
+        my_pkg_status,
         my_pkg_flashhead_status,
         my_pkg_flashhead_validate,
         my_pkg_flashhead_apply,

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FlashHeadAssetError", "CACHE_DIR_NAME", "CACHE_FILE_NAME", "read_config", "find_head_key",
-           "load_lm_head", "save_clustering_cache", "load_clustering_cache", "load_assets",
+__all__ = ["FlashHeadAssetError", "CACHE_DIR_NAME", "CACHE_FILE_NAME", "CALIBRATION_KEY", "read_config",
+           "find_head_key", "load_lm_head", "save_clustering_cache", "load_clustering_cache", "load_assets",
            "update_config", "flashhead_architecture", "prepare_output_dir", "text_config"]
 
 CACHE_DIR_NAME = "flash_head_assets"
 CACHE_FILE_NAME = "clustering_cache.safetensors"
+CALIBRATION_KEY = "flash_head_calibration"
 ARCH_PREFIX = "FlashHead"
 
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
@@ -205,12 +206,20 @@ def flashhead_architecture(name: str) -> str:
     return name if name.startswith(ARCH_PREFIX) else ARCH_PREFIX + name
 
 
-def update_config(model_dir: str | Path, n_probes: int) -> dict:
-    """Add the FlashHead keys to ``config.json`` and prefix the architectures; returns the new config."""
+def update_config(model_dir: str | Path, n_probes: int, calibration: dict | None = None) -> dict:
+    """Add the FlashHead keys to ``config.json`` and prefix the architectures; returns the new config.
+
+    ``calibration``: what a data-aware build measured, kept under ``flash_head_calibration``; a
+    weight-only build (None) removes a stale record.
+    """
     path = Path(model_dir) / "config.json"
     config = read_config(model_dir)
     config["flash_head_cache_dir"] = CACHE_DIR_NAME
     config["n_probes"] = int(n_probes)
+    if calibration is None:
+        config.pop(CALIBRATION_KEY, None)
+    else:
+        config[CALIBRATION_KEY] = calibration
     archs = config.get("architectures") or []
     config["architectures"] = [flashhead_architecture(a) for a in archs]
     tmp = path.with_suffix(".json.tmp")

@@ -17,6 +17,20 @@ counting those rounding flips against FlashHead under-reports it.
 * ``rows``: rows scored per step (``C`` centroids + ``P * cluster_size`` candidates).
 * ``ms``: time of one FlashHead greedy step at batch 1 (median), next to the dense step.
 
+Serving fidelity (:func:`serving_fidelity`) measures the logits serving hands to vLLM's
+sampler (:meth:`FlashHead.step_logits`, pinned ids included) per ``n_probes`` value:
+
+* ``scored_fraction``: head rows scored per greedy row (centroids + candidates + pinned) / vocab.
+* ``top1_agreement``: as ``top1`` above, with the pinned ids among the candidates.
+* ``top5_agreement``: fraction of the dense top-5 tokens scored exactly on a greedy row.
+* ``stop_token_recall``: among rows whose dense argmax is a pinned id, the fraction FlashHead's
+  greedy pick returns (``None`` when no row has one).
+* ``sampling``: per (temperature, top_p), the total-variation distance ``1/2 sum |p - q|``
+  (mean over rows) between the dense sampling distribution ``p`` and FlashHead's ``q``, both
+  in vLLM's semantics and float32: logits / temperature, softmax, then top-p keeps the
+  smallest set of most likely tokens whose probability reaches ``top_p`` and renormalises
+  (:func:`sampling_distribution`); with the scored fraction of a sampled row.
+
 Hidden states come from a ``.safetensors`` file, from running the local Hugging Face
 model on a text file (final hidden state after the last norm, every position), or are
 synthetic (see :func:`synthetic_hidden_states`).
@@ -26,15 +40,21 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from .head import FlashHead
 
 __all__ = ["EvalRow", "evaluate", "dense_agreement", "synthetic_hidden_states", "synthetic_head", "load_hidden_states",
-           "capture_hidden_states", "format_table"]
+           "capture_hidden_states", "format_table", "SAMPLING_SETTINGS", "SamplingFidelity", "ServingFidelity",
+           "sampling_distribution", "total_variation", "serving_fidelity", "logit_postprocess",
+           "format_fidelity_table"]
+
+#: (temperature, top_p) settings the sampling fidelity is measured at.
+SAMPLING_SETTINGS: tuple[tuple[float, float], ...] = ((0.7, 0.9), (1.0, 1.0), (1.0, 0.95))
 
 
 @dataclass
@@ -108,23 +128,27 @@ def load_hidden_states(path: str | Path) -> torch.Tensor:
 
 
 def capture_hidden_states(model_dir: str | Path, text: str, *, max_tokens: int = 2048,
-                          device: str = "cpu", chunk: int = 512) -> torch.Tensor:
+                          device: str = "cpu", chunk: int = 512, progress: bool = False) -> torch.Tensor:
     """Run the local HF model on ``text`` and return the final (normed) hidden state of every position.
 
     ``output_hidden_states`` ends with the state after the model's final norm for Llama-style models;
     this is verified against the model's own logits, and the final norm is applied when it is not.
     """
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    context = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(context, int) and context > 0:  # positions past the trained context give states serving never sees
+        chunk = min(chunk, context)
     ids = tok(text, return_tensors="pt").input_ids[0][:max_tokens]
     if ids.numel() == 0:
         raise ValueError("the text produced no tokens")
     outs = []
     head = model.get_output_embeddings()
     with torch.no_grad():
-        for s in range(0, ids.numel(), chunk):
+        for s in tqdm(range(0, ids.numel(), chunk), desc="hidden states", unit="chunk", disable=not progress):
             piece = ids[s:s + chunk].unsqueeze(0).to(device)
             out = model(piece, output_hidden_states=True)
             hs = out.hidden_states[-1][0]
@@ -209,4 +233,158 @@ def format_table(rows: list[EvalRow], dense_ms: float, vocab_size: int) -> str:
         lines.append(f"| {r.n_probes} | {r.scored_rows:,} | {r.scored_rows / vocab_size:.1%} | {r.top1:.2%} | "
                      f"{r.top5_in:.2%} | {r.ms:.2f} | {dense_ms / r.ms:.2f}x |")
     lines.append(f"| dense | {vocab_size:,} | 100% | 100% | 100% | {dense_ms:.2f} | 1.00x |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- serving fidelity
+
+
+@dataclass
+class SamplingFidelity:
+    temperature: float
+    top_p: float
+    tv_distance: float
+    scored_fraction: float
+
+
+@dataclass
+class ServingFidelity:
+    n_probes: int
+    scored_fraction: float
+    top1_agreement: float
+    top5_agreement: float
+    stop_token_recall: float | None
+    sampled_n_probes: int
+    sampling: list[SamplingFidelity] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sampling_distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """``[B, V]`` float32 probabilities vLLM's sampler draws from: ``softmax(logits / temperature)``,
+    then top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p``
+    (at least one) and renormalises.  ``-inf`` logits get probability 0."""
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0")
+    if not 0 < top_p <= 1:
+        raise ValueError("top_p must lie in (0, 1]")
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1:
+        return probs
+    ranked, order = probs.sort(dim=-1, descending=True)
+    ranked = ranked * ((ranked.cumsum(-1) - ranked) < top_p)  # the mass before a kept token is < top_p
+    kept = torch.zeros_like(probs).scatter_(-1, order, ranked)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``[B]`` total-variation distance ``1/2 sum |p - q|`` between rows of two distributions."""
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def logit_postprocess(config: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The model's final-logit soft-cap / scale from its config.json, as vLLM applies it
+    (``tanh(x / cap) * cap``, then ``* scale``); None when the model has neither.
+
+    Reads ``final_logit_softcapping`` (Gemma-2/3), ``logit_scale`` (a multiplier) and
+    ``logits_scaling`` (a divisor), top level or in ``text_config``.
+    """
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+
+    def number(name: str) -> float | None:
+        value = text.get(name, config.get(name))
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value else None
+
+    cap = number("final_logit_softcapping")
+    scale = (number("logit_scale") or 1.0) / (number("logits_scaling") or 1.0)
+    if cap is None and scale == 1.0:
+        return None
+
+    def postprocess(logits: torch.Tensor) -> torch.Tensor:
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits * scale if scale != 1.0 else logits
+
+    return postprocess
+
+
+def serving_fidelity(head: FlashHead, hidden: torch.Tensor, probes: list[int], *,
+                     pinned: list[int] | tuple[int, ...] = (),
+                     postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     settings: tuple[tuple[float, float], ...] = SAMPLING_SETTINGS,
+                     batch: int = 256) -> list[ServingFidelity]:
+    """Fidelity of the logits serving hands to vLLM (:meth:`FlashHead.step_logits`) per probe count.
+
+    The reference is the dense head in float32 (``postprocess`` applied); FlashHead runs in the
+    head's dtype with ``pinned`` ids scored on every row.  A greedy pick is the best exactly
+    scored token in the reference's arithmetic (ties agree, as in :func:`evaluate`).  Sampled
+    rows use the head's ``sampled_n_probes`` for each ``n_probes`` (its default follows it).
+    Restores the head's ``n_probes`` afterwards.
+    """
+    post = postprocess if postprocess is not None else (lambda x: x)
+    device = head.weight.device
+    hidden = hidden.to(device)
+    served = hidden.to(head.weight.dtype)
+    weight32 = _float32_weight(head)
+    pins = torch.tensor(sorted({int(i) for i in pinned if 0 <= int(i) < head.vocab_size}), dtype=torch.long,
+                        device=device)
+    n = hidden.shape[0]
+    probes = sorted({min(p, head.num_clusters) for p in probes})
+    saved = head.n_probes
+    results = []
+    try:
+        for p in probes:
+            head.n_probes = p
+            agree = top5 = stop_rows = stop_hits = 0
+            tv = [0.0] * len(settings)
+            sampled = torch.ones(min(batch, n), dtype=torch.bool)
+            for s in range(0, n, batch):
+                reference = post(torch.nn.functional.linear(hidden[s:s + batch].float(), weight32))
+                h = served[s:s + batch]
+                greedy = head.step_logits(h, pinned=pins, postprocess=postprocess)
+                scored = torch.isfinite(greedy)
+                pick = torch.where(scored, reference, float("-inf")).argmax(1, keepdim=True)
+                best = reference.max(1).values
+                hits = reference.gather(1, pick).squeeze(1) >= best
+                agree += int(hits.sum())
+                top5 += int(scored.gather(1, torch.topk(reference, 5, dim=1).indices).sum())
+                if pins.numel():
+                    stops = (reference.argmax(1, keepdim=True) == pins.view(1, -1)).any(1)
+                    stop_rows += int(stops.sum())
+                    stop_hits += int((stops & hits).sum())
+                flash = head.step_logits(h, sampled=sampled[: h.shape[0]], pinned=pins, postprocess=postprocess)
+                for i, (temperature, top_p) in enumerate(settings):
+                    dense_p = sampling_distribution(reference, temperature, top_p)
+                    flash_q = sampling_distribution(flash, temperature, top_p)
+                    tv[i] += float(total_variation(dense_p, flash_q).sum())
+            vocab = head.vocab_size
+            sampled_fraction = head.scored_rows_per_step(sampled=True, pinned=int(pins.numel())) / vocab
+            results.append(ServingFidelity(
+                n_probes=p,
+                scored_fraction=head.scored_rows_per_step(sampled=False, pinned=int(pins.numel())) / vocab,
+                top1_agreement=agree / n,
+                top5_agreement=top5 / (5 * n),
+                stop_token_recall=stop_hits / stop_rows if stop_rows else None,
+                sampled_n_probes=head.sampled_n_probes,
+                sampling=[SamplingFidelity(t, tp, tv[i] / n, sampled_fraction) for i, (t, tp) in enumerate(settings)],
+            ))
+    finally:
+        head.n_probes = saved
+    return results
+
+
+def format_fidelity_table(results: list[ServingFidelity]) -> str:
+    """Markdown table of :func:`serving_fidelity` results."""
+    settings = [(x.temperature, x.top_p) for x in results[0].sampling] if results else []
+    head = ("| n_probes | scored (greedy) | top-1 agree | top-5 scored | stop recall | sampled rows: probes | "
+            "scored (sampled) |")
+    head += "".join(f" TV T={t:g} top_p={tp:g} |" for t, tp in settings)
+    lines = [head, "|---:" * (7 + len(settings)) + "|"]
+    for r in results:
+        stop = "n/a" if r.stop_token_recall is None else f"{r.stop_token_recall:.2%}"
+        sampled = f"{r.sampling[0].scored_fraction:.1%}" if r.sampling else "n/a"
+        tvs = "".join(f" {x.tv_distance:.4f} |" for x in r.sampling)
+        lines.append(f"| {r.n_probes} | {r.scored_fraction:.1%} | {r.top1_agreement:.2%} | {r.top5_agreement:.2%} | "
+                     f"{stop} | {r.sampled_n_probes} | {sampled} |{tvs}")
     return "\n".join(lines)

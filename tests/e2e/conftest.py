@@ -22,6 +22,7 @@ from e2e_support import (
     DEFAULT_PROBES,
     LORA_NAME,
     MODEL_SPEC,
+    READ_TOKEN,
     RPC_TIMEOUT,
 )
 from my_pkg.devtools.server import VllmServer
@@ -34,6 +35,9 @@ def _server(model: Path, logs: Path, name: str, env: dict[str, str | None], args
         "VLLM_API_KEY": None,
         "MY_PKG_DISABLE": None,
         "MY_PKG_FLASHHEAD": None,
+        # Every read asks the workers: the tests compare counters across steps shorter than the
+        # default snapshot age and expect a paused worker to be noticed at once.
+        "MY_PKG_STATUS_MAX_AGE": "0",
     }
     base_env.update(env)
     return VllmServer(model=str(model), args=list(args), env=base_env, log_path=logs / f"{name}.log")
@@ -71,9 +75,10 @@ def logs_dir(e2e_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def flashhead_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """Both halves allowlisted, `--api-key` set (read role) and an admin token, FlashHead model in float32."""
+    """Both halves allowlisted, `--api-key` and a read token (read role), an admin token; FlashHead model in float32."""
     with _server(flashhead_model, logs_dir, "flashhead",
-                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
+                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
+                  "MY_PKG_READ_TOKEN": READ_TOKEN},
                  ["--api-key", API_KEY]) as server:
         yield server
 

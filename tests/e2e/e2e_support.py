@@ -9,6 +9,7 @@ from my_pkg.devtools.tiny_model import TinyLlamaSpec
 
 API_KEY = "e2e-api-key"
 ADMIN_TOKEN = "e2e-admin-token"
+READ_TOKEN = "e2e-read-token"
 LORA_NAME = "tiny-lora"
 #: How long the API server waits for the workers (MY_PKG_RPC_TIMEOUT) on the servers that stall tests pause.
 RPC_TIMEOUT = "4"

@@ -240,11 +240,25 @@ def test_batch_threshold_sends_big_batches_dense(fh, flashhead_server):
     assert _status(fh)["counters"]["rows_dense"].get("batch_threshold", 0) >= before + 4 * 15
 
 
+def test_a_greedy_requests_text_does_not_depend_on_the_load(fh, flashhead_server):
+    assert _status(fh)["dense_batch_threshold"] is None  # the default: the path is decided per request
+    assert _put(fh, {"n_probes": 1}).status_code == 200  # so few probes that FlashHead's text differs from dense
+    alone = _complete(fh, flashhead_server.model, PROMPTS[2], max_tokens=40)["text"]
+    before = _status(fh)["counters"]
+    prompts = [PROMPTS[2]] * 4 + PROMPTS * 4  # 28 requests at once: decode steps of far more than 16 rows
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: _complete(fh, flashhead_server.model, p, max_tokens=40), prompts))
+    assert [a["text"] for a, p in zip(answers, prompts) if p == PROMPTS[2]] == [alone] * 8
+    after = _status(fh)["counters"]
+    assert after["rows_dense"].get("batch_threshold", 0) == before["rows_dense"].get("batch_threshold", 0)
+    assert after["rows_flashhead"] >= before["rows_flashhead"] + len(prompts)  # the batched rows were FlashHead's
+
+
 def test_metrics_expose_the_counters_by_rank(fh, flashhead_server):
     _complete(fh, flashhead_server.model, PROMPTS[0], max_tokens=4)
     counters = _status(fh)["counters"]
     text = fh.get("/plugins/my_pkg/metrics", headers=auth()).text
-    match = re.search(r'^my_pkg_flashhead_rows_total\{dp_rank="0",rank="0",path="flashhead"\} (\d+)', text, re.M)
+    match = re.search(r'^my_pkg_flashhead_rows_total\{dp_rank="0",path="flashhead",rank="0"\} (\d+)', text, re.M)
     assert match and int(match.group(1)) == counters["rows_flashhead"]
     assert re.search(r'^my_pkg_flashhead_active\{dp_rank="0",rank="0"\} 1', text, re.M)
 

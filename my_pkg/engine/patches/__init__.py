@@ -12,4 +12,6 @@ raises), and is idempotent.
   FlashHead; it is correct whatever `self` it is called with (vLLM's LoRA wrapper).
 - `model_runner`: (only once a FlashHead model is built) tells the logits processor which
   call is the decode step of the V1 GPU/CPU model runner and what each row asked for.
+- `model_runner_v2`: the same for vLLM's Model Runner V2 (the CUDA default), applied instead
+  of `model_runner` when `VllmConfig.use_v2_model_runner` is true.
 """

@@ -11,6 +11,10 @@ general plugin has loaded and right before the model is built, so that:
   asserts on a second registration and does not catch it): FlashHead then stays
   off with the reason in the status route, and the server runs as that plugin wants.
 
+Under tensor parallelism each rank's head covers its vocabulary shard
+(`_sharded_step`): FlashHead scores the candidates in that shard and vLLM's own
+gather joins the shards, reached exactly once per step on every rank.
+
 `forward` may be called with another `self` than our instance: vLLM's LoRA
 wrapper calls `type(base_layer).forward(wrapper, ...)`. Such calls always go to
 vLLM's own `forward` bound to the wrapper (the adapters' logits are exact).
@@ -45,8 +49,6 @@ def _resolve_model_dir(model_config: Any) -> str | None:
 def _unsupported_reason(vllm_config: Any) -> tuple[str, str] | None:
     """`(code, message)` when this vLLM configuration cannot use FlashHead, else None."""
     parallel = vllm_config.parallel_config
-    if getattr(parallel, "tensor_parallel_size", 1) > 1:
-        return "tensor_parallel", "tensor parallel size > 1 (the head is sharded over ranks); dense head in use"
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         return "pipeline_parallel", "pipeline parallel size > 1 is not supported; dense head in use"
     if getattr(vllm_config, "speculative_config", None) is not None:
@@ -56,11 +58,6 @@ def _unsupported_reason(vllm_config: Any) -> tuple[str, str] | None:
     if getattr(vllm_config, "lora_config", None) is not None:
         return "lora", (
             "LoRA is enabled (adapters change the logits, which FlashHead cannot see); dense head in use"
-        )
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        return "model_runner_v2", (
-            "vLLM's Model Runner V2 is in use, which this plugin does not hook yet; "
-            "set VLLM_USE_V2_MODEL_RUNNER=0 to use FlashHead"
         )
     model_config = vllm_config.model_config
     head_dtype = getattr(model_config, "head_dtype", None)
@@ -86,21 +83,39 @@ def _make_controller(org_vocab_size: int) -> Any:
 
     unsupported = _unsupported_reason(vllm_config)
     if unsupported is None:
-        try:
-            from my_pkg.engine.patches import model_runner
-
-            model_runner.apply()
+        runner = "model runner"
+        try:  # hook the runner vLLM will use: Model Runner V2 (the CUDA default) or V1
+            if getattr(vllm_config, "use_v2_model_runner", False):
+                runner = "Model Runner V2"
+                from my_pkg.engine.patches import model_runner_v2 as runner_hook
+            else:
+                from my_pkg.engine.patches import model_runner as runner_hook
+            runner_hook.apply()
         except Exception as exc:  # noqa: BLE001 - vLLM internals moved: stay dense
-            unsupported = ("runner_hook_failed", f"vLLM's model runner could not be hooked ({exc}); dense head in use")
+            unsupported = ("runner_hook_failed", f"vLLM's {runner} could not be hooked ({exc}); dense head in use")
     code, reason = unsupported if unsupported is not None else (None, None)
     return FlashHeadController.from_model_dir(
         _resolve_model_dir(model_config),
         config,
         vocab_size=org_vocab_size,
-        device_type=str(getattr(vllm_config.device_config, "device_type", "cpu")),
         unavailable_reason=reason,
         unavailable_code=code,
     )
+
+
+def _build_head(controller: Any, lm_head: Any, hidden_states: Any) -> None:
+    """Build the controller's head over `lm_head` (its vocabulary shard under tensor parallelism) and warm it up."""
+    if not _is_plain_weight(lm_head):
+        controller.make_unavailable(
+            "quantized_head", f"the LM head is quantized ({type(lm_head.quant_method).__name__}); dense head in use"
+        )
+        return
+    vocab_range = None
+    if getattr(lm_head, "tp_size", 1) > 1:
+        shard = lm_head.shard_indices
+        vocab_range = (int(shard.org_vocab_start_index), int(shard.org_vocab_end_index))
+    controller.bind(lm_head.weight, vocab_range=vocab_range)
+    controller.warm_up(hidden_states)
 
 
 def _is_plain_weight(lm_head: Any) -> bool:
@@ -164,18 +179,19 @@ def subclass() -> type:
                 controller.serve_step_dense(int(hidden_states.shape[0]), wrapper)
                 return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
             try:
-                rows = controller.take_step()
-                if rows is None:  # warm-up, prompt logprobs, drafter: vLLM's own head
-                    return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
                 if controller.head is None and controller.available:
-                    if not _is_plain_weight(lm_head):
-                        controller.make_unavailable(
-                            "quantized_head",
-                            f"the LM head is quantized ({type(lm_head.quant_method).__name__}); dense head in use",
-                        )
-                    else:
-                        controller.bind(lm_head.weight)
-
+                    # The first logits call is vLLM's warm-up / memory profile: the head's memory is
+                    # then counted before the KV cache is sized, and its kernels are ready for request one.
+                    _build_head(controller, lm_head, hidden_states)
+                rows = controller.take_step()
+            except Exception as exc:  # noqa: BLE001 - FlashHead must never take the engine down
+                controller.record_fallback(exc, int(hidden_states.shape[0]))
+                rows = None
+            if rows is None:  # warm-up, prompt logprobs, drafter: vLLM's own head
+                return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
+            if getattr(lm_head, "tp_size", 1) > 1:
+                return self._sharded_step(controller, lm_head, hidden_states, rows)
+            try:
                 def dense(rows_hidden):
                     return vllm_forward(self, lm_head, rows_hidden)
 
@@ -183,6 +199,30 @@ def subclass() -> type:
             except Exception as exc:  # noqa: BLE001 - FlashHead must never take the engine down
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
                 return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
+
+        def _sharded_step(self, controller, lm_head, hidden_states, rows):
+            """A decode step over vLLM's vocab-parallel head: this rank's vocabulary shard, then the gather.
+
+            Every rank reaches the gather exactly once whatever happens before it (a failure here
+            serves this rank's shard dense), as vLLM's own forward does.
+            """
+            import torch
+
+            num_org = lm_head.shard_indices.num_org_elements
+
+            def dense_local(rows_hidden):
+                return self._postprocess(self._get_logits(rows_hidden, lm_head, None, skip_gather=True)[:, :num_org])
+
+            try:
+                local = controller.compute_logits(hidden_states, rows, dense_local, self._postprocess)
+            except Exception as exc:  # noqa: BLE001
+                controller.record_fallback(exc, int(hidden_states.shape[0]))
+                local = dense_local(hidden_states)
+            padding = lm_head.weight.shape[0] - local.shape[1]
+            if padding > 0:  # the shard's padding rows, cut again after the gather
+                local = torch.nn.functional.pad(local, (0, padding), value=float("-inf"))
+            logits = self._gather_logits(local)
+            return logits[..., : self.org_vocab_size] if logits is not None else None
 
     _subclass = FlashHeadLogitsProcessor
     return _subclass

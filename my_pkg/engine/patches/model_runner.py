@@ -20,12 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from my_pkg.engine.flashhead_control import (
-    DENSE_CODE,
-    StepRows,
-    controller_of_runner,
-    request_dense_reason,
-)
+from my_pkg.engine.flashhead_control import controller_of_runner
+from my_pkg.engine.request_rows import DenseReason, StepRows, request_dense_reason
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -45,7 +41,7 @@ def step_rows(input_batch: Any) -> StepRows:
     num_rows = input_batch.num_reqs
     codes = np.zeros(num_rows, dtype=np.uint8)
     if _has_custom_logits_processors(input_batch):
-        codes[:] = DENSE_CODE["custom_logits_processors"]
+        codes[:] = DenseReason.CUSTOM_LOGITS_PROCESSORS
     else:
         table: dict[str, int] = input_batch.__dict__.get(_DENSE_TABLE) or {}
         index_of = input_batch.req_id_to_index
@@ -59,12 +55,8 @@ def step_rows(input_batch: Any) -> StepRows:
         row = input_batch.req_id_to_index.get(req_id)
         if row is not None and row < num_rows:
             stop_ids.update(ids)
+    # Seeded rows are sampled rows too: FlashHead's logits draw nothing at random, so the seed reproduces.
     sampled = np.asarray(input_batch.temperature_cpu[:num_rows]) > 0.0
-    # Rows with a per-request seed take the top clusters: drawing them would use
-    # randomness outside the request's generator and break the seed's promise.
-    seeded = [row for row in getattr(input_batch, "generators", {}) if row < num_rows]
-    if seeded:
-        sampled[seeded] = False
     return StepRows(dense_codes=codes, sampled=sampled, stop_ids=tuple(sorted(stop_ids)))
 
 
@@ -73,12 +65,12 @@ def _track(input_batch: Any, request: Any) -> None:
     try:
         reason = request_dense_reason(getattr(request, "sampling_params", None))
     except Exception:  # noqa: BLE001 - an odd request is served dense, never an error
-        reason = "unclassified"
+        reason = DenseReason.UNCLASSIFIED
     table = input_batch.__dict__.setdefault(_DENSE_TABLE, {})
     if reason is None:
         table.pop(request.req_id, None)
     else:
-        table[request.req_id] = DENSE_CODE[reason]
+        table[request.req_id] = int(reason)
     stop_ids = tuple(getattr(getattr(request, "sampling_params", None), "stop_token_ids", None) or ())
     stops = input_batch.__dict__.setdefault(_STOP_TABLE, {})
     if stop_ids:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from my_pkg import PLUGIN_NAME, __version__
+from my_pkg import PLUGIN_NAME, __version__, contract
 from my_pkg.endpoints import AdminEndpointPlugin
 from my_pkg.endpoints.config import LOGGER_NAME
 
@@ -22,6 +22,7 @@ ENV_VARS = (
     "MY_PKG_ADMIN_TOKEN",
     "MY_PKG_READ_TOKEN",
     "MY_PKG_RPC_TIMEOUT",
+    "MY_PKG_STATUS_MAX_AGE",
     "MY_PKG_AUDIT_SIZE",
     "MY_PKG_DISABLE",
     "VLLM_API_KEY",
@@ -39,8 +40,8 @@ def not_implemented_text(method: str) -> str:
 
 
 class FakeEngineClient:
-    """Stands in for vLLM's EngineClient: ``collective_rpc`` answers the
-    my_pkg worker methods with one dict per worker, like the engine half."""
+    """Stands in for vLLM's EngineClient: ``collective_rpc`` answers the my_pkg worker
+    methods with one reply per worker, built from the contract's models as the engine half does."""
 
     def __init__(self, world_size: int = 2, num_clusters: int = 16) -> None:
         self.world_size = world_size
@@ -50,6 +51,7 @@ class FakeEngineClient:
         self.delay = 0.0
         self.delays: dict[str, float] = {}
         self.version = {rank: __version__ for rank in range(world_size)}
+        self.pids = {rank: 1000 + rank for rank in range(world_size)}
         self.missing: set[str] = set()
         self.overrides: dict[str, Any] = {}
         self.fh = [
@@ -59,13 +61,13 @@ class FakeEngineClient:
                 "n_probes": 4,
                 "dense_batch_threshold": 32,
                 "num_clusters": num_clusters,
-                "counters": {
-                    "steps": 10 + rank,
-                    "rows_flashhead": 100 + rank,
-                    "rows_dense": {"logprobs": 3, "large_batch": 7 + rank},
-                    "fallbacks": rank,
-                    "head_seconds": 0.5 + rank,
-                },
+                "counters": contract.FlashHeadCounters(
+                    steps=10 + rank,
+                    rows_flashhead=100 + rank,
+                    rows_dense={"logprobs": 3, "batch_threshold": 7 + rank},
+                    fallbacks=rank,
+                    head_seconds=0.5 + rank,
+                ),
             }
             for rank in range(world_size)
         ]
@@ -94,56 +96,63 @@ class FakeEngineClient:
         impl = getattr(self, "_" + method, None)
         if impl is None or method in self.missing:
             raise Exception(not_implemented_text(method))
-        return [impl(rank, *args, **(kwargs or {})) for rank in range(self.world_size)]
+        return [impl(rank, *args, **(kwargs or {})).model_dump(mode="json") for rank in range(self.world_size)]
 
-    # ---- the engine-half contract -------------------------------------
-    def _my_pkg_ping(self, rank: int) -> dict:
-        return {"plugin": PLUGIN_NAME, "version": self.version[rank], "rank": rank,
-                "pid": 1000 + rank}
+    # ---- the engine half, one contract model per method ----------------
+    def _my_pkg_ping(self, rank: int) -> contract.PingReply:
+        return contract.PingReply(plugin=PLUGIN_NAME, version=self.version[rank], rank=rank, pid=self.pids[rank])
 
-    def _my_pkg_worker_info(self, rank: int) -> dict:
-        return {
-            "rank": rank, "local_rank": rank, "world_size": self.world_size,
-            "pid": 1000 + rank, "hostname": "node-a", "device": f"cuda:{rank}",
-            "plugin_version": self.version[rank], "torch_version": "2.13.0",
-            "vllm_version": "0.32.0",
-            "memory": {"device_allocated_bytes": 1 << 30, "device_reserved_bytes": 2 << 30,
-                       "process_rss_bytes": 3 << 30, "kv_cache_bytes": None},
-            "model": {"name": "tiny-model", "dtype": "bfloat16", "max_model_len": 4096},
-            "kv_cache": {"block_size": 16, "num_blocks": 1000 + rank},
-        }
+    def _my_pkg_worker_info(self, rank: int) -> contract.WorkerIdentity:
+        return contract.WorkerIdentity(
+            rank=rank, local_rank=rank, world_size=self.world_size,
+            pid=self.pids[rank], hostname="node-a", device=f"cuda:{rank}",
+            plugin_version=self.version[rank], torch_version="2.13.0", vllm_version="0.32.0",
+            model=contract.ModelInfo(name="tiny-model", path="/models/tiny", dtype="bfloat16", max_model_len=4096),
+            kv_cache=contract.KVCacheInfo(block_size=16, num_blocks=1000 + rank),
+        )
 
-    def _my_pkg_config(self, rank: int, section: str) -> dict:
-        if section not in ("scheduler", "model", "cache", "parallel"):
+    def _my_pkg_config(self, rank: int, section: str) -> contract.WorkerConfig:
+        if section not in contract.CONFIG_SECTIONS:
             raise ValueError(f"unknown section {section}")
-        return {"rank": rank, "section": section, "config": {"max_num_seqs": 256}}
+        return contract.WorkerConfig(rank=rank, section=section, config={"max_num_seqs": 256})
 
-    def _my_pkg_flashhead_status(self, rank: int) -> dict:
+    def _flashhead_state(self, rank: int) -> contract.FlashHeadState:
         fh = self.fh[rank]
-        return {
-            "rank": rank, "pid": 1000 + rank, "available": fh["available"],
-            "active": fh["available"] and fh["enabled"],
-            "reason": None if fh["available"] else "model has no FlashHead assets",
-            "enabled": fh["enabled"],
-            "num_clusters": fh["num_clusters"] if fh["available"] else None,
-            "cluster_size": 64, "vocab_size": 32000, "n_probes": fh["n_probes"],
-            "dense_batch_threshold": fh["dense_batch_threshold"],
-            "backend": "torch", "extra_memory_bytes": 1234,
-            "counters": dict(fh["counters"]),
-        }
+        return contract.FlashHeadState(
+            available=fh["available"], active=fh["available"] and fh["enabled"],
+            reason=None if fh["available"] else "model has no FlashHead assets",
+            reason_code=None if fh["available"] else "no_assets",
+            enabled=fh["enabled"],
+            num_clusters=fh["num_clusters"] if fh["available"] else None,
+            cluster_size=64, vocab_size=32000, n_probes=fh["n_probes"],
+            dense_batch_threshold=fh["dense_batch_threshold"], probe_sampling=True,
+            pinned_token_ids=[2], fidelity_every=100,
+            backend="torch", extra_memory_bytes=1234, counters=fh["counters"],
+        )
 
-    def _my_pkg_flashhead_validate(self, rank: int, update: dict) -> dict:
+    def _my_pkg_status(self, rank: int) -> contract.WorkerStatus:
+        return contract.WorkerStatus(
+            rank=rank, pid=self.pids[rank],
+            memory=contract.MemoryInfo(device_allocated_bytes=1 << 30, device_reserved_bytes=2 << 30,
+                                       process_rss_bytes=3 << 30, kv_cache_bytes=None),
+            flashhead=self._flashhead_state(rank),
+        )
+
+    def _my_pkg_flashhead_status(self, rank: int) -> contract.FlashHeadStatus:
+        return self._my_pkg_status(rank).flashhead_status()
+
+    def _my_pkg_flashhead_validate(self, rank: int, update: dict) -> contract.ValidationReply:
         fh = self.fh[rank]
-        errors = []
+        errors = contract.update_errors(update)
         if not fh["available"]:
             errors.append("FlashHead is not available on this model")
         n = update.get("n_probes")
         if n is not None and n > fh["num_clusters"]:
             errors.append(f"n_probes={n} exceeds num_clusters={fh['num_clusters']}")
-        return {"rank": rank, "errors": errors}
+        return contract.ValidationReply(rank=rank, errors=errors)
 
-    def _my_pkg_flashhead_apply(self, rank: int, update: dict) -> dict:
-        self.fh[rank].update(update)
+    def _my_pkg_flashhead_apply(self, rank: int, update: dict) -> contract.FlashHeadStatus:
+        self.fh[rank].update(contract.FlashHeadUpdate.model_validate(update).to_update())
         return self._my_pkg_flashhead_status(rank)
 
 

@@ -45,7 +45,7 @@ async def test_invalid_body_is_422_and_nothing_called(
     assert _state(engine) == before
 
 
-@pytest.mark.parametrize("content", [b"", b"{not json", b"null"])
+@pytest.mark.parametrize("content", [b"", b"{not json", b"null", b"\xb3S\xc7"])
 async def test_missing_or_broken_body_is_422(content, app_client, engine, assert_error):
     r = await app_client.put(URL, content=content, headers={"Content-Type": "application/json"})
     assert_error(r, 422, "invalid_request_error")
@@ -55,6 +55,16 @@ async def test_missing_or_broken_body_is_422(content, app_client, engine, assert
 async def test_broken_json_message(app_client, assert_error):
     r = await app_client.put(URL, content=b"{oops", headers={"Content-Type": "application/json"})
     assert "not valid JSON" in assert_error(r, 422)["message"]
+
+
+async def test_wrong_method_lists_every_method_of_the_path(app_client, assert_error):
+    r = await app_client.request("OPTIONS", URL)
+    err = assert_error(r, 405, "method_not_allowed")
+    assert r.headers["Allow"] == "GET, PUT"
+    assert "GET, PUT" in err["message"]
+    r = await app_client.delete("/plugins/my_pkg/health")
+    assert_error(r, 405, "method_not_allowed")
+    assert r.headers["Allow"] == "GET"
 
 
 async def test_empty_body_message_says_at_least_one_field(app_client, assert_error):

@@ -1,138 +1,212 @@
-"""GET /plugins/my_pkg/metrics: Prometheus text exposition format 0.0.4."""
+"""The plugin's metrics: rendered by prometheus_client, on the plugin's route and on a process registry."""
 
 from __future__ import annotations
 
-import re
+import asyncio
+import logging
+import time
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from my_pkg.endpoints.metrics import escape_label_value, format_value, render_metrics
-from my_pkg.endpoints.models import FlashHeadStatus
+from my_pkg import contract
+from my_pkg.endpoints.client import StatusSnapshot
+from my_pkg.endpoints.metrics import expose_on_registry, render
 
 pytestmark = pytest.mark.anyio
 
 TOKEN = "s3cret"
 
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\\\|\\"|\\n)*"'
-_SAMPLE_RE = re.compile(
-    rf"^(?P<name>{_NAME})(?:\{{(?P<labels>{_LABEL}(?:,{_LABEL})*)?\}})?"
-    r" (?P<value>[-+]?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|Inf|NaN))$"
-)
-_HELP_RE = re.compile(rf"^# HELP (?P<name>{_NAME}) (?P<text>.*)$")
-_TYPE_RE = re.compile(
-    rf"^# TYPE (?P<name>{_NAME}) (?P<type>counter|gauge|histogram|summary|untyped)$"
-)
-_LABEL_PAIR_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of ``text``, parsed by prometheus_client's own parser: {(name, labels): value}."""
+    found: dict[tuple[str, frozenset], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, frozenset(sample.labels.items()))
+            assert key not in found, f"duplicate sample {key}"
+            found[key] = sample.value
+    return found
 
 
-def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m.group(1), m.group(1)), value)
+def types(text: str) -> dict[str, str]:
+    return {family.name: family.type for family in text_string_to_metric_families(text)}
 
 
-def parse_exposition(text: str) -> tuple[dict, dict]:
-    """Strict parser: returns ({name: type}, {(name, frozenset(labels)): value})."""
-    assert text.endswith("\n")
-    types: dict[str, str] = {}
-    helps: set[str] = set()
-    samples: dict = {}
-    current = None
-    for line in text.splitlines():
-        assert line, "no blank lines expected"
-        if line.startswith("#"):
-            if m := _HELP_RE.match(line):
-                assert m["name"] not in helps
-                helps.add(m["name"])
-                current = m["name"]
-                continue
-            m = _TYPE_RE.match(line)
-            assert m, f"bad comment line: {line!r}"
-            assert m["name"] == current, "TYPE must follow its HELP, before samples"
-            assert m["name"] not in types
-            types[m["name"]] = m["type"]
-            continue
-        m = _SAMPLE_RE.match(line)
-        assert m, f"bad sample line: {line!r}"
-        name = m["name"]
-        assert name == current, f"sample {name} outside its family"
-        labels = frozenset(
-            (k, _unescape(v)) for k, v in _LABEL_PAIR_RE.findall(m["labels"] or "")
-        )
-        key = (name, labels)
-        assert key not in samples, f"duplicate sample {key}"
-        samples[key] = float(m["value"].replace("Inf", "inf"))
-    assert set(types) == helps
-    return types, samples
+def L(dp_rank="0", **labels):  # noqa: N802 - every series is labelled by the worker's DP rank and rank
+    return frozenset({"dp_rank": dp_rank, **labels}.items())
 
 
-def L(dp_rank="0", **kw):  # noqa: N802 - every series is labelled by the worker's DP rank and rank
-    return frozenset({"dp_rank": dp_rank, **kw}.items())
-
-
-async def test_metrics_route(monkeypatch, engine, make_app, client_for):
+@pytest.fixture
+async def app(monkeypatch, engine, make_app):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
-    app = await make_app(engine)
+    return await make_app(engine)
+
+
+async def test_metrics_route(app, client_for):
     async with client_for(app, token=TOKEN) as c:
         r = await c.get("/plugins/my_pkg/metrics")
     assert r.status_code == 200
-    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
-    types, samples = parse_exposition(r.text)
-    assert types["my_pkg_flashhead_rows_total"] == "counter"
-    assert types["my_pkg_flashhead_steps_total"] == "counter"
-    assert types["my_pkg_flashhead_fallbacks_total"] == "counter"
-    assert types["my_pkg_flashhead_head_seconds_total"] == "counter"
-    assert types["my_pkg_flashhead_active"] == "gauge"
-    assert types["my_pkg_flashhead_n_probes"] == "gauge"
+    assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert types(r.text) == {
+        **{f"my_pkg_flashhead_{name}": "counter" for name in (
+            "steps", "rows", "fallbacks", "head_seconds", "fidelity_rows", "fidelity_agreed")},
+        **{f"my_pkg_flashhead_{name}": "gauge" for name in (
+            "available", "enabled", "active", "n_probes", "dense_batch_threshold")},
+        "my_pkg_status_snapshot_age_seconds": "gauge",
+    }
+    found = samples(r.text)
     for rank in (0, 1):
         r_ = str(rank)
-        assert samples[("my_pkg_flashhead_steps_total", L(rank=r_))] == 10 + rank
-        assert samples[("my_pkg_flashhead_rows_total", L(rank=r_, path="flashhead"))] == 100 + rank
-        assert samples[("my_pkg_flashhead_rows_total",
-                        L(rank=r_, path="dense", reason="logprobs"))] == 3
-        assert samples[("my_pkg_flashhead_rows_total",
-                        L(rank=r_, path="dense", reason="large_batch"))] == 7 + rank
-        assert samples[("my_pkg_flashhead_fallbacks_total", L(rank=r_))] == rank
-        assert samples[("my_pkg_flashhead_head_seconds_total", L(rank=r_))] == 0.5 + rank
-        assert samples[("my_pkg_flashhead_active", L(rank=r_))] == 1
-        assert samples[("my_pkg_flashhead_n_probes", L(rank=r_))] == 4
-    assert 'my_pkg_flashhead_rows_total{dp_rank="0",rank="0",path="flashhead"} 100' in r.text.splitlines()
+        assert found[("my_pkg_flashhead_steps_total", L(rank=r_))] == 10 + rank
+        assert found[("my_pkg_flashhead_rows_total", L(rank=r_, path="flashhead"))] == 100 + rank
+        assert found[("my_pkg_flashhead_rows_total", L(rank=r_, path="dense", reason="logprobs"))] == 3
+        assert found[("my_pkg_flashhead_rows_total", L(rank=r_, path="dense", reason="batch_threshold"))] == 7 + rank
+        assert found[("my_pkg_flashhead_fallbacks_total", L(rank=r_))] == rank
+        assert found[("my_pkg_flashhead_head_seconds_total", L(rank=r_))] == 0.5 + rank
+        assert found[("my_pkg_flashhead_active", L(rank=r_))] == 1
+        assert found[("my_pkg_flashhead_n_probes", L(rank=r_))] == 4
+        assert found[("my_pkg_flashhead_dense_batch_threshold", L(rank=r_))] == 32
+    assert 0 <= found[("my_pkg_status_snapshot_age_seconds", frozenset())] < 1
+    # FlashHead rows carry no `reason` label at all (not an empty one); the library sorts label names.
+    assert 'my_pkg_flashhead_rows_total{dp_rank="0",path="flashhead",rank="0"} 100.0' in r.text.splitlines()
 
 
-async def test_metrics_errors_are_json(monkeypatch, engine, make_app, client_for, assert_error):
-    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
-    app = await make_app(engine)
-    engine.errors["my_pkg_flashhead_status"] = RuntimeError("x")
+async def test_metrics_errors_are_json(app, engine, client_for, assert_error):
+    engine.errors["my_pkg_status"] = RuntimeError("x")
     async with client_for(app, token=TOKEN) as c:
-        assert_error(await c.get("/plugins/my_pkg/metrics"), 503)
+        assert_error(await c.get("/plugins/my_pkg/metrics"), 503, "worker_error")
 
 
-def _status(rank=0, **kw):
-    base = {"rank": rank, "available": True, "active": False, "enabled": True,
-            "n_probes": None, "dense_batch_threshold": 0,
-            "counters": {"steps": 0, "rows_flashhead": 0, "rows_dense": {},
-                         "fallbacks": 0, "head_seconds": 0.0}}
-    base.update(kw)
-    return FlashHeadStatus.model_validate(base)
+def _snapshot(**flashhead) -> StatusSnapshot:
+    state = {"available": True, "active": False, "enabled": True, "n_probes": None, **flashhead}
+    worker = contract.WorkerStatus(rank=0, pid=1, flashhead=contract.FlashHeadState.model_validate(state))
+    return StatusSnapshot((worker,), time.monotonic())
 
 
-def test_label_values_are_escaped():
+def test_label_values_are_escaped_and_unknown_settings_omitted():
     reason = 'we"ird\\reason\nwith newline'
-    st = _status(counters={"steps": 1, "rows_flashhead": 2, "rows_dense": {reason: 5},
-                           "fallbacks": 0, "head_seconds": 1e-9})
-    text = render_metrics([st])
-    _, samples = parse_exposition(text)
-    assert samples[("my_pkg_flashhead_rows_total",
-                    L(rank="0", path="dense", reason=reason))] == 5
+    text = render(_snapshot(counters={"rows_dense": {reason: 5}, "head_seconds": 1e-9})).decode()
+    found = samples(text)
+    assert found[("my_pkg_flashhead_rows_total", L(rank="0", path="dense", reason=reason))] == 5
     assert '\\"' in text and "\\\\" in text and "\\n" in text
-    assert samples[("my_pkg_flashhead_head_seconds_total", L(rank="0"))] == 1e-9
-    # n_probes unknown -> no sample (but the family is still described)
-    assert not any(k[0] == "my_pkg_flashhead_n_probes" for k in samples)
+    assert found[("my_pkg_flashhead_head_seconds_total", L(rank="0"))] == 1e-9
+    # n_probes unknown -> no sample, but the family is still described
+    assert not any(name == "my_pkg_flashhead_n_probes" for name, _ in found)
+    assert "# TYPE my_pkg_flashhead_n_probes gauge" in text
 
 
-def test_metrics_empty_and_values():
-    types, samples = parse_exposition(render_metrics([]))
-    assert samples == {} and "my_pkg_flashhead_steps_total" in types
-    assert escape_label_value('a"b') == 'a\\"b'
-    assert format_value(True) == "1" and format_value(False) == "0"
-    assert format_value(float("nan")) == "NaN" and format_value(float("inf")) == "+Inf"
-    assert format_value(3) == "3" and format_value(0.25) == "0.25"
+# ------------------------------------------------------- the process registry (vLLM's /metrics)
+@pytest.fixture
+def registry():
+    return CollectorRegistry()
+
+
+async def test_a_scrape_reads_the_last_snapshot_and_never_waits_for_the_workers(app, engine, registry):
+    handler = app.state.my_pkg_admin
+    expose_on_registry(handler, registry)
+    engine.delay = 5.0  # a stalled worker
+    started = time.monotonic()
+    first = generate_latest(registry).decode()
+    assert time.monotonic() - started < 0.5
+    assert not any(name.startswith("my_pkg_flashhead_steps") for name, _ in samples(first))
+    assert engine.calls == []  # nothing sent while the scrape ran...
+    await asyncio.sleep(0.05)
+    assert engine.methods == ["my_pkg_status"]  # ...but it asked for a refresh, sent once the scrape was over
+    engine.delay = 0.0
+    handler.invalidate_status()  # drop the stalled refresh: the next one answers at once
+    generate_latest(registry)
+    await asyncio.sleep(0.05)
+    found = samples(generate_latest(registry).decode())
+    assert found[("my_pkg_flashhead_steps_total", L(rank="1"))] == 11
+    assert found[("my_pkg_status_snapshot_age_seconds", frozenset())] < 1
+
+
+async def test_a_scrape_on_another_thread_schedules_the_refresh_on_the_loop(app, engine, registry):
+    expose_on_registry(app.state.my_pkg_admin, registry)
+    await asyncio.to_thread(generate_latest, registry)
+    for _ in range(100):
+        if app.state.my_pkg_admin.last_status() is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.methods == ["my_pkg_status"]
+    assert samples(generate_latest(registry).decode())[("my_pkg_flashhead_active", L(rank="0"))] == 1
+
+
+async def test_a_fresh_snapshot_is_not_fetched_again_by_scrapes(app, engine, registry, client_for):
+    expose_on_registry(app.state.my_pkg_admin, registry)
+    async with client_for(app, token=TOKEN) as c:
+        assert (await c.get("/plugins/my_pkg/flashhead")).status_code == 200
+    for _ in range(5):
+        generate_latest(registry)
+    await asyncio.sleep(0.05)
+    assert engine.methods == ["my_pkg_status"]
+
+
+async def test_registration_is_idempotent_and_follows_the_latest_app(monkeypatch, fake_engine_cls, make_app,
+                                                                     registry, client_for):
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
+    apps = []
+    for world_size in (1, 3):
+        app = await make_app(fake_engine_cls(world_size=world_size))
+        expose_on_registry(app.state.my_pkg_admin, registry)
+        expose_on_registry(app.state.my_pkg_admin, registry)
+        apps.append(app)
+    async with client_for(apps[1], token=TOKEN) as c:
+        assert (await c.get("/plugins/my_pkg/flashhead")).status_code == 200
+    text = generate_latest(registry).decode()
+    assert text.count("# TYPE my_pkg_flashhead_steps_total counter") == 1
+    ranks = {dict(labels)["rank"] for name, labels in samples(text) if name == "my_pkg_flashhead_steps_total"}
+    assert ranks == {"0", "1", "2"}
+
+
+async def test_the_plugin_registers_on_the_process_registry_once(app, make_app, client_for):
+    from prometheus_client import REGISTRY
+
+    second = await make_app(app.state.my_pkg_admin.engine_client)
+    async with client_for(second, token=TOKEN) as c:
+        assert (await c.get("/plugins/my_pkg/flashhead")).status_code == 200
+    text = generate_latest(REGISTRY).decode()
+    assert text.count("# TYPE my_pkg_flashhead_steps_total counter") == 1
+    assert samples(text)[("my_pkg_flashhead_n_probes", L(rank="1"))] == 4
+
+
+async def test_a_failing_collector_leaves_the_rest_of_the_scrape_alone(app, registry, plugin_log, monkeypatch):
+    from prometheus_client import Counter
+
+    Counter("other_requests", "Another library's counter.", registry=registry).inc()
+    handler = app.state.my_pkg_admin
+    collector = expose_on_registry(handler, registry)
+    monkeypatch.setattr(collector, "_warned", False)
+
+    def broken():
+        raise KeyError("oops")
+
+    monkeypatch.setattr(handler, "last_status", broken)
+    for _ in range(2):
+        found = samples(generate_latest(registry).decode())
+        assert found[("other_requests_total", frozenset())] == 1
+        assert not any(name.startswith("my_pkg_") for name, _ in found)
+    failures = [m for m in plugin_log.messages(logging.ERROR) if "metrics could not be collected" in m]
+    assert len(failures) == 1  # logged once, not on every scrape
+
+
+async def test_multiprocess_mode_says_where_the_metrics_are(monkeypatch, engine, make_app, plugin_log, tmp_path):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    await make_app(engine)
+    assert any("PROMETHEUS_MULTIPROC_DIR" in m and "/plugins/my_pkg/metrics" in m
+               for m in plugin_log.messages(logging.WARNING))
+
+
+def test_the_grafana_dashboard_queries_only_series_the_plugin_exports():
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).resolve().parents[3] / "docs/grafana/my_pkg-dashboard.json").read_text())
+    queried = {match for panel in dashboard["panels"] for target in panel["targets"]
+               for match in re.findall(r"\bmy_pkg_[a-z_]+", target["expr"])}
+    exported = {sample.name for family in text_string_to_metric_families(render(_snapshot(n_probes=4, dense_batch_threshold=16)).decode())
+                for sample in family.samples}
+    assert queried and queried <= exported, queried - exported

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from my_pkg import __version__
+from my_pkg import __version__, contract
 from my_pkg.endpoints import metrics as metrics_mod
 from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, rpc_timeout_from_env
 
@@ -24,6 +24,9 @@ ROUTES = [
     ("PUT", "/plugins/my_pkg/flashhead", {"n_probes": 2}),
 ]
 TOKEN = "s3cret"  # the token of the conftest's app_client
+#: Every worker method a route reads through (all but the apply of an update).
+READ_METHODS = (contract.PING, contract.WORKER_INFO, contract.CONFIG, contract.STATUS, contract.FLASHHEAD_STATUS,
+                contract.FLASHHEAD_VALIDATE)
 
 
 
@@ -35,7 +38,9 @@ async def test_health_ok(app_client, engine):
     assert body["status"] == "ok" and body["plugin"] == "my_pkg"
     assert body["version"] == __version__ and body["num_workers"] == 2
     assert [w["rank"] for w in body["workers"]] == [0, 1]
-    assert engine.methods == ["my_pkg_ping"]
+    assert 0 <= body["snapshot_age_s"] < 1
+    # liveness from the status snapshot, identity and version from the ping (kept: it cannot change)
+    assert engine.methods == ["my_pkg_status", "my_pkg_ping"]
 
 
 async def test_workers_shape(app_client, engine):
@@ -48,15 +53,16 @@ async def test_workers_shape(app_client, engine):
     assert w1["memory"] == {"device_allocated_bytes": 1 << 30,
                             "device_reserved_bytes": 2 << 30,
                             "process_rss_bytes": 3 << 30, "kv_cache_bytes": None}
-    assert w1["model"] == {"name": "tiny-model", "dtype": "bfloat16", "max_model_len": 4096}
+    assert w1["model"] == {"name": "tiny-model", "path": "/models/tiny", "dtype": "bfloat16", "max_model_len": 4096}
     assert w1["kv_cache"] == {"block_size": 16, "num_blocks": 1001}
+    assert 0 <= body["snapshot_age_s"] < 1
     # vLLM is never given a timeout: its expiry would leave a late reply behind.
-    assert engine.calls == [{"method": "my_pkg_worker_info", "timeout": None,
-                             "args": (), "kwargs": None}]
+    assert engine.calls == [{"method": method, "timeout": None, "args": (), "kwargs": None}
+                            for method in ("my_pkg_status", "my_pkg_worker_info")]
 
 
 async def test_workers_sorted_by_rank_and_extra_fields_kept(app_client, engine):
-    info = [engine._my_pkg_worker_info(r) for r in (1, 0)]
+    info = [engine._my_pkg_worker_info(r).model_dump(mode="json") for r in (1, 0)]
     info[0]["future_field"] = "x"
     engine.overrides["my_pkg_worker_info"] = info
     body = (await app_client.get("/plugins/my_pkg/workers")).json()
@@ -90,12 +96,10 @@ async def test_flashhead_status_shape(app_client):
     body = r.json()
     assert body["num_workers"] == 2
     st = body["workers"][0]
-    for key in ("rank", "pid", "available", "active", "reason", "enabled", "num_clusters",
-                "cluster_size", "vocab_size", "n_probes", "dense_batch_threshold",
-                "backend", "extra_memory_bytes", "counters"):
-        assert key in st
-    assert st["counters"]["rows_dense"] == {"logprobs": 3, "large_batch": 7}
-    assert st["active"] is True and st["n_probes"] == 4
+    assert set(st) == set(contract.FlashHeadStatus.model_fields)
+    assert st["counters"]["rows_dense"] == {"logprobs": 3, "batch_threshold": 7}
+    assert st["active"] is True and st["n_probes"] == 4 and st["probe_sampling"] is True
+    assert st["pid"] == 1000 and 0 <= body["snapshot_age_s"] < 1
 
 
 # ------------------------------------------------------------- no engine
@@ -131,8 +135,7 @@ async def test_no_engine_every_route_503(
 async def test_worker_raising_is_503_with_cause(
     exc, method, path, body, app_client, engine, assert_error
 ):
-    for name in ("my_pkg_ping", "my_pkg_worker_info", "my_pkg_config",
-                 "my_pkg_flashhead_status", "my_pkg_flashhead_validate"):
+    for name in READ_METHODS:
         engine.errors[name] = exc
     err = assert_error(await app_client.request(method, path, json=body), 503, "worker_error")
     assert "boom on rank 1" in err["message"]
@@ -147,8 +150,7 @@ async def test_worker_raising_is_503_with_cause(
 async def test_engine_half_missing_is_503_naming_the_fix(
     wrapped, method, path, body, app_client, engine, assert_error, unknown_method_text
 ):
-    for name in ("my_pkg_ping", "my_pkg_worker_info", "my_pkg_config",
-                 "my_pkg_flashhead_status", "my_pkg_flashhead_validate"):
+    for name in READ_METHODS:
         if wrapped:
             engine.missing.add(name)  # vLLM's wrapped text, plain Exception
         else:
@@ -198,8 +200,8 @@ async def test_timeout_is_504(
 
 
 async def test_engine_side_timeout_text_is_504(app_client, engine, assert_error):
-    engine.errors["my_pkg_flashhead_status"] = Exception(
-        "Call to collective_rpc method failed: RPC call to my_pkg_flashhead_status timed out."
+    engine.errors["my_pkg_status"] = Exception(
+        "Call to collective_rpc method failed: RPC call to my_pkg_status timed out."
     )
     assert_error(await app_client.get("/plugins/my_pkg/flashhead"), 504, "timeout_error")
 
@@ -222,10 +224,12 @@ def test_valid_rpc_timeout(monkeypatch):
     [None, [], ["not a dict"], [{"rank": "zero"}], [{"no_rank": 1}], "text"],
 )
 async def test_malformed_worker_reply_is_503_not_500(reply, app_client, engine, assert_error):
+    engine.overrides["my_pkg_status"] = reply
+    for route in ("health", "workers", "flashhead", "metrics"):
+        assert_error(await app_client.get(f"/plugins/my_pkg/{route}"), 503, "unexpected_reply")
+    del engine.overrides["my_pkg_status"]
     engine.overrides["my_pkg_worker_info"] = reply
-    engine.overrides["my_pkg_flashhead_status"] = reply
     assert_error(await app_client.get("/plugins/my_pkg/workers"), 503, "unexpected_reply")
-    assert_error(await app_client.get("/plugins/my_pkg/metrics"), 503, "unexpected_reply")
 
 
 async def test_unexpected_bug_is_503_not_500(app_client, monkeypatch, assert_error):
@@ -234,7 +238,7 @@ async def test_unexpected_bug_is_503_not_500(app_client, monkeypatch, assert_err
 
     monkeypatch.setattr("my_pkg.endpoints.routes.render_metrics", broken)
     assert_error(await app_client.get("/plugins/my_pkg/metrics"), 503, "plugin_error")
-    assert metrics_mod.render_metrics is not broken
+    assert metrics_mod.render is not broken
 
 
 async def test_concurrent_requests_while_one_times_out(
@@ -309,8 +313,7 @@ async def test_health_worker_error_and_timeout(app_client, engine, assert_error)
 @pytest.mark.parametrize("method,path,body", ROUTES)
 async def test_engine_half_missing_as_seen_from_the_cpu_worker(method, path, body, app_client, engine, assert_error):
     # vLLM's CPU worker wrapper answers an unknown method with an AttributeError, as text.
-    for name in ("my_pkg_ping", "my_pkg_worker_info", "my_pkg_config",
-                 "my_pkg_flashhead_status", "my_pkg_flashhead_validate"):
+    for name in READ_METHODS:
         engine.errors[name] = Exception(
             "Call to collective_rpc method failed: Worker failed with error "
             f"''CPUWorker' object has no attribute '{name}'', please check the stack trace above"

@@ -175,6 +175,34 @@ async def test_openapi_lists_routes_and_models(vllm_app):
     # nothing outside our prefix came from us
     assert all(not p.startswith("/plugins/") or p.startswith(ROUTE_PREFIX + "/")
                for p in paths)
+    # the bearer scheme is in the document, on every plugin operation (and on nothing of vLLM's)
+    scheme = spec["components"]["securitySchemes"]["my_pkg_bearer"]
+    assert scheme["type"] == "http" and scheme["scheme"] == "bearer" and "MY_PKG_ADMIN_TOKEN" in scheme["description"]
+    for path, operations in paths.items():
+        for operation in operations.values():
+            assert (operation.get("security") == [{"my_pkg_bearer": []}]) is path.startswith(ROUTE_PREFIX), path
+    for name in ("HealthResponse", "WorkersResponse", "FlashHeadStatusResponse"):
+        assert "snapshot_age_s" in schemas[name]["required"]
+    assert upd["minProperties"] == 1
+    # null is a value of dense_batch_threshold only ("never switch to the dense head")
+    assert [name for name, field in upd["properties"].items() if "anyOf" in field] == ["dense_batch_threshold"]
+
+
+async def test_the_metrics_are_on_vllms_own_metrics_route(vllm_app, client_for, monkeypatch, engine):
+    """vLLM's /metrics (its instrumentator on the process registry) shows the plugin's series next to its own."""
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router as attach_vllm_metrics
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    attach_vllm_metrics(vllm_app)
+    async with client_for(vllm_app, token=ADMIN) as c:
+        assert (await c.get("/plugins/my_pkg/flashhead")).status_code == 200
+        calls = len(engine.calls)
+        scraped = await c.get("/metrics")
+    assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
+    lines = scraped.text.splitlines()
+    assert 'my_pkg_flashhead_steps_total{dp_rank="0",rank="1"} 11.0' in lines
+    assert any(line.startswith("http_requests_total{") for line in lines)  # vLLM's own HTTP metrics
+    assert len(engine.calls) == calls  # the scrape read the snapshot the route fetched
 
 
 def test_import_pulls_in_neither_vllm_nor_engine_half():

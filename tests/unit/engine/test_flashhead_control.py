@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from my_pkg.engine.flashhead_control import DENSE_CODE, FlashHeadController, StepRows
+from my_pkg.engine.flashhead_control import FlashHeadController
+from my_pkg.engine.request_rows import DenseReason, StepRows
 
 VOCAB, HIDDEN, CAP = 512, 32, 16
 CLUSTERS = VOCAB // CAP
@@ -26,7 +27,7 @@ def controller(weight, monkeypatch) -> FlashHeadController:
     centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
     ctl = FlashHeadController(
         centroids=centroids, assignments=assignments, config={"n_probes": 4},
-        vocab_size=VOCAB, device_type="cpu",
+        vocab_size=VOCAB,
     )
     ctl.bind(weight)
     return ctl
@@ -54,7 +55,7 @@ def test_plain_rows_get_exact_candidate_logits_and_minus_inf_elsewhere(controlle
 
 def test_rows_that_need_dense_get_vllm_logits_and_are_counted_by_reason(controller, weight):
     hidden = torch.randn(4, HIDDEN)
-    codes = [0, DENSE_CODE["logprobs"], 0, DENSE_CODE["structured_output"]]
+    codes = [0, DenseReason.LOGPROBS, 0, DenseReason.STRUCTURED_OUTPUT]
     logits = controller.compute_logits(hidden, _rows(codes), _dense(weight), lambda x: x)
     dense = _dense(weight)(hidden)
     torch.testing.assert_close(logits[1], dense[1])
@@ -97,16 +98,20 @@ def test_batch_above_threshold_and_disabled_go_dense(controller, weight):
     assert status["active"] is False and "disabled" in status["reason"]
 
 
-def test_sampled_rows_use_probabilistic_probe_selection(controller, weight):
+def test_sampled_rows_get_estimated_logits_and_stay_reproducible(controller, weight):
     controller.apply({"dense_batch_threshold": 64})
     torch.manual_seed(1)
-    hidden = torch.randn(1, HIDDEN).repeat(64, 1)
-    greedy = controller.compute_logits(hidden, _rows([0] * 64), _dense(weight), lambda x: x)
-    sampled = controller.compute_logits(hidden, _rows([0] * 64, [True] * 64), _dense(weight), lambda x: x)
-    assert controller.counters.rows_flashhead == 128
-    # Greedy rows all probe the same top clusters; sampled rows draw different ones.
-    assert (torch.isfinite(greedy) == torch.isfinite(greedy[0])).all()
-    assert not (torch.isfinite(sampled) == torch.isfinite(sampled[0])).all()
+    hidden = torch.randn(1, HIDDEN).repeat(8, 1)
+    greedy = controller.compute_logits(hidden, _rows([0] * 8), _dense(weight), lambda x: x)
+    sampled = controller.compute_logits(hidden, _rows([0] * 8, [True] * 8), _dense(weight), lambda x: x)
+    assert controller.counters.rows_flashhead == 16
+    assert not torch.isfinite(greedy).all()
+    assert torch.isfinite(sampled).all()  # unprobed clusters keep an estimated share of the mass
+    assert (sampled == sampled[0]).all()  # nothing random: a seeded request reproduces
+    assert controller.status()["sampled_n_probes"] == controller.head.sampled_n_probes
+    controller.settings.probe_sampling = False  # MY_PKG_FLASHHEAD_PROBE_SAMPLING=0
+    plain = controller.compute_logits(hidden, _rows([0] * 8, [True] * 8), _dense(weight), lambda x: x)
+    assert torch.equal(plain, greedy)
 
 
 def test_mismatched_rows_go_dense(controller, weight):
@@ -152,7 +157,7 @@ def test_fallback_is_counted_and_logged_once(controller, caplog):
 def test_assets_that_do_not_match_the_vocabulary_leave_it_unavailable(weight):
     ctl = FlashHeadController(
         centroids=torch.randn(4, HIDDEN), assignments=torch.zeros(10, dtype=torch.long),
-        config={}, vocab_size=VOCAB, device_type="cpu",
+        config={}, vocab_size=VOCAB,
     )
     ctl.bind(weight)
     assert ctl.head is None and not ctl.available
@@ -166,7 +171,7 @@ def test_environment_sets_start_up_settings(weight, monkeypatch):
     monkeypatch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", "9")
     ctl = FlashHeadController(
         centroids=torch.randn(CLUSTERS, HIDDEN), assignments=torch.randperm(VOCAB) % CLUSTERS,
-        config={"n_probes": 5}, vocab_size=VOCAB, device_type="cpu",
+        config={"n_probes": 5}, vocab_size=VOCAB,
     )
     assert (ctl.settings.enabled, ctl.settings.n_probes, ctl.settings.dense_batch_threshold) == (False, 3, 9)
 
@@ -174,7 +179,7 @@ def test_environment_sets_start_up_settings(weight, monkeypatch):
 def test_settings_can_change_before_the_head_is_built(weight):
     ctl = FlashHeadController(
         centroids=torch.randn(CLUSTERS, HIDDEN), assignments=torch.randperm(VOCAB) % CLUSTERS,
-        config={"n_probes": 5}, vocab_size=VOCAB, device_type="cpu",
+        config={"n_probes": 5}, vocab_size=VOCAB,
     )
     assert ctl.head is None
     assert ctl.status()["num_clusters"] == CLUSTERS and ctl.status()["cluster_size"] == CAP
@@ -189,7 +194,7 @@ def _pinned_controller(weight, pinned, n_probes=1):
     assignments = torch.arange(VOCAB) // CAP  # token t lives in cluster t // CAP
     centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
     ctl = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": n_probes},
-                              vocab_size=VOCAB, device_type="cpu", pinned_ids=pinned)
+                              vocab_size=VOCAB, pinned_ids=pinned)
     ctl.bind(weight)
     return ctl
 
@@ -224,7 +229,7 @@ def test_a_requests_stop_token_ids_are_scored_on_every_flashhead_row(weight):
     stop = int((hidden @ weight[:VOCAB].T).argmax())
     ctl = _pinned_controller(weight, [])
     both = torch.cat([hidden, hidden])
-    rows = StepRows(np.array([0, DENSE_CODE["logprobs"]], np.uint8), np.zeros(2, bool), stop_ids=(stop,))
+    rows = StepRows(np.array([0, DenseReason.LOGPROBS], np.uint8), np.zeros(2, bool), stop_ids=(stop,))
     logits = ctl.compute_logits(both, rows, _dense(weight), lambda x: x)
     assert logits.argmax(1).tolist() == [stop, stop]
     torch.testing.assert_close(logits[1], (hidden @ weight[:VOCAB].T)[0])  # the dense row is untouched

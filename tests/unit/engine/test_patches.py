@@ -9,10 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from my_pkg.engine.flashhead_control import DENSE_CODE, FlashHeadController, request_dense_reason
+from my_pkg.engine.flashhead_control import FlashHeadController
+from my_pkg.engine.request_rows import DenseReason, request_dense_reason
 from my_pkg.engine.patches import logits_processor, model_runner
 
 VOCAB, HIDDEN, CAP = 256, 16, 16
+
+
+def _reason(sampling_params) -> str | None:
+    """The label of the request's dense reason (its counter key), None when FlashHead may serve it."""
+    reason = request_dense_reason(sampling_params)
+    return None if reason is None else reason.label
 
 
 @pytest.mark.parametrize(
@@ -30,14 +37,14 @@ VOCAB, HIDDEN, CAP = 256, 16, 16
 def test_request_dense_reason_from_real_sampling_params(kwargs, reason):
     from vllm import SamplingParams
 
-    assert request_dense_reason(SamplingParams(**kwargs)) == reason
+    assert _reason(SamplingParams(**kwargs)) == reason
 
 
 def test_every_sampling_params_field_is_classified():
     """Fails when vLLM adds a request field: decide whether FlashHead may serve it, then list it."""
     from vllm import SamplingParams
 
-    from my_pkg.engine.flashhead_control import DENSE_REQUEST_FIELDS, FLASHHEAD_REQUEST_FIELDS
+    from my_pkg.engine.request_rows import DENSE_REQUEST_FIELDS, FLASHHEAD_REQUEST_FIELDS
 
     public = {name for name in SamplingParams.__struct_fields__ if not name.startswith("_")}
     unknown = public - set(DENSE_REQUEST_FIELDS) - FLASHHEAD_REQUEST_FIELDS
@@ -62,7 +69,7 @@ def test_every_sampling_params_field_is_classified():
 def test_more_request_fields(kwargs, reason):
     from vllm import SamplingParams
 
-    assert request_dense_reason(SamplingParams(**kwargs)) == reason
+    assert _reason(SamplingParams(**kwargs)) == reason
 
 
 def test_a_field_this_plugin_does_not_know_is_served_dense_when_set():
@@ -72,7 +79,7 @@ def test_a_field_this_plugin_does_not_know_is_served_dense_when_set():
         future_logits_feature: int = 0
 
     assert request_dense_reason(NewerSamplingParams()) is None
-    assert request_dense_reason(NewerSamplingParams(future_logits_feature=2)) == "unclassified"
+    assert request_dense_reason(NewerSamplingParams(future_logits_feature=2)) is DenseReason.UNCLASSIFIED
 
 
 def test_structured_output_requests_need_dense_rows():
@@ -80,7 +87,7 @@ def test_structured_output_requests_need_dense_rows():
     from vllm.sampling_params import StructuredOutputsParams
 
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
-    assert request_dense_reason(params) == "structured_output"
+    assert request_dense_reason(params) is DenseReason.STRUCTURED_OUTPUT
 
 
 def _input_batch(num_reqs: int, temperatures, dense: dict[str, int], processors=()):
@@ -95,9 +102,9 @@ def _input_batch(num_reqs: int, temperatures, dense: dict[str, int], processors=
 
 
 def test_step_rows_marks_only_the_tracked_requests():
-    batch = _input_batch(3, [0.0, 0.7, 0.0, 1.0, 1.0], {"r1": DENSE_CODE["logprobs"], "r4": DENSE_CODE["bad_words"]})
+    batch = _input_batch(3, [0.0, 0.7, 0.0, 1.0, 1.0], {"r1": DenseReason.LOGPROBS, "r4": DenseReason.BAD_WORDS})
     rows = model_runner.step_rows(batch)
-    assert rows.dense_codes.tolist() == [0, DENSE_CODE["logprobs"], 0]  # r4 is not in this step
+    assert rows.dense_codes.tolist() == [0, DenseReason.LOGPROBS, 0]  # r4 is not in this step
     assert rows.sampled.tolist() == [False, True, False]
 
 
@@ -107,10 +114,10 @@ def test_step_rows_carry_the_stop_token_ids_of_the_steps_requests():
     assert model_runner.step_rows(batch).stop_ids == (4, 9)
 
 
-def test_seeded_rows_do_not_draw_their_clusters():
+def test_seeded_rows_are_sampled_rows():  # FlashHead's logits are deterministic: the seed still reproduces
     batch = _input_batch(3, [0.9, 0.9, 0.0], {})
     batch.generators = {0: object(), 7: object()}
-    assert model_runner.step_rows(batch).sampled.tolist() == [False, True, False]
+    assert model_runner.step_rows(batch).sampled.tolist() == [True, True, False]
 
 
 def test_step_rows_with_custom_logits_processors_is_all_dense():
@@ -118,7 +125,7 @@ def test_step_rows_with_custom_logits_processors_is_all_dense():
         pass
 
     rows = model_runner.step_rows(_input_batch(2, [0.0, 0.0], {}, [MyProcessor()]))
-    assert rows.dense_codes.tolist() == [DENSE_CODE["custom_logits_processors"]] * 2
+    assert rows.dense_codes.tolist() == [DenseReason.CUSTOM_LOGITS_PROCESSORS] * 2
 
 
 @pytest.fixture(autouse=True)
@@ -146,7 +153,7 @@ def processor_and_head():
     assignments = torch.randperm(VOCAB) % (VOCAB // CAP)
     centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(VOCAB // CAP)])
     processor._my_pkg_flashhead = FlashHeadController(
-        centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB, device_type="cpu",
+        centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB,
     )
     return processor, lm_head
 
@@ -194,7 +201,7 @@ def test_a_failing_head_falls_back_to_dense_and_counts(processor_and_head, monke
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(controller.head, "candidate_logits", broken)
+    monkeypatch.setattr(controller.head, "step_logits", broken)
     _arm(controller, 3)
     out = processor(lm_head, hidden)
     torch.testing.assert_close(out, hidden @ lm_head.weight[:VOCAB].T)
@@ -232,11 +239,9 @@ def test_a_failing_step_description_falls_back_to_dense(processor_and_head):
 @pytest.mark.parametrize(
     ("change", "code", "fragment"),
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel", "tensor parallel"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel", "pipeline parallel"),
         ({"speculative_config": object()}, "speculative_decoding", "speculative decoding"),
         ({"lora_config": object()}, "lora", "LoRA is enabled"),
-        ({"use_v2_model_runner": True}, "model_runner_v2", "VLLM_USE_V2_MODEL_RUNNER=0"),
         ({"head_dtype": torch.float32}, "head_dtype", "head_dtype"),
     ],
 )
@@ -320,7 +325,7 @@ def test_input_batch_hooks_never_raise_into_vllm(monkeypatch):
     logprobs = SimpleNamespace(req_id="a", sampling_params=SamplingParams(logprobs=1))
     plain = SimpleNamespace(req_id="b", sampling_params=SamplingParams(stop_token_ids=[5]))
     assert InputBatch.add_request(batch, logprobs) == 7 and InputBatch.add_request(batch, plain) == 7
-    assert batch.__dict__["_my_pkg_dense_requests"] == {"a": DENSE_CODE["logprobs"]}
+    assert batch.__dict__["_my_pkg_dense_requests"] == {"a": DenseReason.LOGPROBS}
     assert batch.__dict__["_my_pkg_stop_token_ids"] == {"b": (5,)}
     assert InputBatch.remove_request(batch, "a") == 3 and InputBatch.remove_request(batch, "b") == 3
     assert batch.__dict__["_my_pkg_dense_requests"] == {} and batch.__dict__["_my_pkg_stop_token_ids"] == {}

@@ -66,7 +66,7 @@ def test_register_applies_every_patch_once_and_imports_lazily():
     assert result["applied"] == {"worker": True, "model_registry": True}
     assert result["methods"] == [
         "my_pkg_config", "my_pkg_flashhead_apply", "my_pkg_flashhead_status",
-        "my_pkg_flashhead_validate", "my_pkg_ping", "my_pkg_worker_info",
+        "my_pkg_flashhead_validate", "my_pkg_ping", "my_pkg_status", "my_pkg_worker_info",
     ]
     for arch in ("FlashHeadLlamaForCausalLM", "FlashHeadQwen2ForCausalLM", "FlashHeadQwen3ForCausalLM",
                  "FlashHeadMistralForCausalLM", "FlashHeadGemma3ForCausalLM"):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import my_pkg
+from my_pkg import contract
 from my_pkg.engine import rpc
 from my_pkg.engine.jsonable import REDACTED, to_jsonable
 
@@ -35,7 +37,7 @@ def worker():
 
 def test_ping_identifies_plugin_rank_and_process(worker):
     assert rpc.my_pkg_ping(worker) == {
-        "plugin": "my_pkg", "version": my_pkg.__version__, "rank": 1, "pid": os.getpid(),
+        "plugin": "my_pkg", "version": my_pkg.__version__, "rank": 1, "dp_rank": 0, "pid": os.getpid(),
     }
 
 
@@ -46,10 +48,17 @@ def test_worker_info_is_json_safe_and_complete(worker):
     assert info["device"] == "cpu"
     assert info["torch_version"] == torch.__version__
     assert info["model"] == {"name": "served-name", "path": "org/model", "dtype": "bfloat16", "max_model_len": 256}
-    assert info["memory"]["kv_cache_bytes"] == 2 * 2 * 4 * 8 * 4
-    assert info["memory"]["process_rss_bytes"] > 0
-    assert info["memory"]["device_allocated_bytes"] is None
     assert info["kv_cache"]["block_size"] == 16
+    assert "memory" not in info  # it changes while the worker runs: part of my_pkg_status
+
+
+def test_status_has_the_memory_and_the_flashhead_state(worker):
+    status = rpc.my_pkg_status(worker)
+    assert status["rank"] == 1 and status["pid"] == os.getpid()
+    assert status["memory"]["kv_cache_bytes"] == 2 * 2 * 4 * 8 * 4
+    assert status["memory"]["process_rss_bytes"] > 0
+    assert status["memory"]["device_allocated_bytes"] is None
+    assert status["flashhead"]["available"] is False and status["flashhead"]["reason_code"] == "no_assets"
 
 
 @pytest.mark.parametrize("section", ["scheduler", "cache", "parallel", "model"])
@@ -134,3 +143,98 @@ def np_int():
     import numpy as np
 
     return np.int64(3)
+
+
+# ---- the contract: both halves use the same models --------------------------------------------------
+
+REPLY_MODELS = {
+    contract.PING: (contract.PingReply, ()),
+    contract.WORKER_INFO: (contract.WorkerIdentity, ()),
+    contract.CONFIG: (contract.WorkerConfig, ("cache",)),
+    contract.STATUS: (contract.WorkerStatus, ()),
+    contract.FLASHHEAD_STATUS: (contract.FlashHeadStatus, ()),
+    contract.FLASHHEAD_VALIDATE: (contract.ValidationReply, ({"n_probes": 2},)),
+    contract.FLASHHEAD_APPLY: (contract.FlashHeadStatus, ({"n_probes": 2},)),
+}
+
+
+def test_the_worker_methods_are_the_contracts():
+    assert set(rpc.WORKER_METHODS) == set(contract.WORKER_METHOD_NAMES) == set(REPLY_MODELS)
+
+
+def test_the_update_fields_are_the_controllers():
+    from my_pkg.engine.flashhead_settings import UPDATE_FIELDS
+
+    assert set(contract.UPDATE_FIELDS) == set(UPDATE_FIELDS) == set(contract.FlashHeadUpdate.model_fields)
+
+
+@pytest.fixture
+def flashhead_worker(worker, monkeypatch):
+    """The stand-in worker with a real FlashHead controller (32 clusters of 16 tokens) on its model."""
+    from my_pkg.engine.flashhead_control import FlashHeadController
+
+    for name in ("MY_PKG_FLASHHEAD", "MY_PKG_FLASHHEAD_N_PROBES", "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD"):
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(0)
+    weight = torch.randn(512, 32)
+    assignments = torch.arange(512) % 32
+    centroids = torch.stack([weight[assignments == c].mean(0) for c in range(32)])
+    controller = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": 4},
+                                     vocab_size=512, pinned_ids=[2])
+    controller.bind(weight)
+    monkeypatch.setattr(rpc, "_controller", lambda w: controller if w is worker else None)
+    return worker
+
+
+@pytest.mark.parametrize("method", sorted(REPLY_MODELS))
+def test_every_reply_is_its_contract_model_with_nothing_undeclared(flashhead_worker, method):
+    """Every key a worker sends is declared by the contract: a key the controller adds shows up here first."""
+    model, args = REPLY_MODELS[method]
+    reply = model.model_validate(rpc.WORKER_METHODS[method](flashhead_worker, *args))
+
+    def undeclared(value):
+        found = dict(value.model_extra or {})
+        for name in type(value).model_fields:
+            child = getattr(value, name)
+            if isinstance(child, contract.WorkerReply):
+                found.update({f"{name}.{k}": v for k, v in undeclared(child).items()})
+        return found
+
+    assert undeclared(reply) == {}
+
+
+def test_a_real_controllers_status_through_the_contract(flashhead_worker):
+    state = contract.WorkerStatus.model_validate(rpc.my_pkg_status(flashhead_worker)).flashhead
+    assert state.available and state.active and state.num_clusters == 32 and state.n_probes == 4
+    assert state.pinned_token_ids == [2] and state.counters.steps == 0
+    flat = contract.FlashHeadStatus.model_validate(rpc.my_pkg_flashhead_status(flashhead_worker))
+    assert flat.model_dump(exclude={"rank", "dp_rank", "pid"}) == state.model_dump()
+
+
+@pytest.mark.parametrize(
+    ("update", "expected"),
+    [
+        ({"n_probes": "4"}, "n_probes: Input should be a valid integer"),
+        ({"n_probes": 0}, "n_probes: Input should be greater than or equal to 1"),
+        ({"enabled": 1}, "enabled: Input should be a valid boolean"),
+        ({"n_probes": 2, "bogus": 1}, "bogus: Extra inputs are not permitted"),
+        ({}, "at least one of"),
+        ({"enabled": None}, "'enabled' must not be null"),
+        ({"n_probes": 33}, "32"),  # the controller's own check: no more than its 32 clusters
+    ],
+)
+def test_a_worker_validates_an_update_with_the_contract_then_its_model(flashhead_worker, update, expected):
+    errors = rpc.my_pkg_flashhead_validate(flashhead_worker, update)["errors"]
+    assert len(errors) == 1 and expected in errors[0], errors
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        rpc.my_pkg_flashhead_apply(flashhead_worker, update)
+    assert rpc.my_pkg_flashhead_status(flashhead_worker)["n_probes"] == 4  # nothing applied
+
+
+def test_an_update_is_applied_as_the_contract_reads_it(flashhead_worker):
+    rpc.my_pkg_flashhead_apply(flashhead_worker, {"dense_batch_threshold": 3})
+    update = {"n_probes": 8.0, "dense_batch_threshold": None}  # JSON's integral float; null: never switch
+    assert rpc.my_pkg_flashhead_validate(flashhead_worker, update)["errors"] == []
+    status = rpc.my_pkg_flashhead_apply(flashhead_worker, update)
+    assert status["n_probes"] == 8 and status["enabled"] is True  # a field left out is left as it was
+    assert status["dense_batch_threshold"] is None

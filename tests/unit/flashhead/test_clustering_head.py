@@ -128,36 +128,6 @@ def test_extra_memory_small():
     assert head.weight.data_ptr() == w.data_ptr()  # a reference, not a copy
 
 
-def test_sampled_probe_selection():
-    head, g = _head(n_probes=5)
-    h = torch.randn(6, head.hidden_size, generator=g)
-    rows = torch.tensor([True, False, True, False, True, True])
-    a = head.select_probes(h, sample_rows=rows, temperature=2.0, generator=torch.Generator().manual_seed(1))
-    b = head.select_probes(h, sample_rows=rows, temperature=2.0, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(a, b)
-    top = head.select_probes(h)
-    assert torch.equal(a[~rows].sort(1).values, top[~rows].sort(1).values)
-    for r in range(6):
-        assert len(set(a[r].tolist())) == 5  # without replacement
-    draws = [head.select_probes(h, sample_rows=rows, generator=torch.Generator().manual_seed(s)) for s in range(5)]
-    assert any(not torch.equal(d[rows].sort(1).values, top[rows].sort(1).values) for d in draws)
-    ids, logits = head.candidate_logits(h, sample_rows=rows, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(logits, head.dense_logits(h).gather(1, ids))
-
-
-def test_sampling_follows_softmax():
-    # Two clusters with a large score gap: the high one should be drawn first most of the time.
-    w = torch.randn(32, 4)
-    cent = torch.tensor([[2.0, 0, 0, 0], [0.0, 0, 0, 0]])
-    head = FlashHead(w, cent, torch.arange(32) // 16, n_probes=1)
-    h = torch.tensor([[1.0, 0, 0, 0]]).expand(4000, 4)
-    p = head.select_probes(h, sample_rows=torch.ones(4000, dtype=torch.bool),
-                           generator=torch.Generator().manual_seed(0))
-    frac = float((p[:, 0] == 0).float().mean())
-    expected = float(torch.softmax(torch.tensor([2.0, 0.0]), 0)[0])
-    assert abs(frac - expected) < 0.03
-
-
 def test_bf16_head():
     head, g = _head(dtype=torch.bfloat16, n_probes=21)
     h = torch.randn(3, head.hidden_size, generator=g)

@@ -128,3 +128,84 @@ def test_eval_on_a_bf16_checkpoint_uses_a_float32_reference(bf16_llama, tmp_path
     expected = 100.0 * float((picks == (hidden @ weight.float().T).argmax(1)).float().mean())
     assert expected < 100.0  # the check below compares something
     assert abs(_table_top1(out, 2) - expected) <= 0.1, (out, expected)
+
+
+def _eos_heavy_hidden(model, n: int = 120) -> torch.Tensor:
+    """States around the head's rows, a third of them pointing at EOS (id 2) so it is the dense argmax."""
+    g = torch.Generator().manual_seed(3)
+    weight = model.lm_head.weight.detach().float()
+    targets = torch.randint(3, VOCAB, (n,), generator=g)
+    targets[::3] = 2
+    return 4.0 * weight[targets] + 0.5 * torch.randn(n, HIDDEN, generator=g)
+
+
+def test_eval_json_reports_serving_fidelity_at_the_configured_probes(built_llama, tmp_path, capsys):
+    import json
+
+    from my_pkg.flashhead import FlashHead
+    from my_pkg.flashhead.assets import load_assets, load_lm_head, read_config, stop_and_special_token_ids
+    from my_pkg.flashhead.evaluate import serving_fidelity
+
+    path, model = built_llama
+    hidden = _eos_heavy_hidden(model)
+    f = tmp_path / "hs.safetensors"
+    save_file({"hidden_states": hidden}, str(f))
+    assert main(["flashhead", "eval", str(path), "--hidden", str(f), "--samples", "500", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == str(path) and report["hidden_states"] == 120 and report["dtype"] == "float32"
+    (result,) = report["results"]
+    assert result["n_probes"] == 2  # config.json's, as serving uses
+    config = read_config(path)
+    pinned = stop_and_special_token_ids(path, config)
+    assert 2 in pinned
+    assert result["scored_fraction"] == pytest.approx((6 + 2 * 16 + len(pinned)) / VOCAB)
+    assert result["stop_token_recall"] == 1.0  # EOS is pinned: FlashHead stops where dense stops
+    assert [(s["temperature"], s["top_p"]) for s in result["sampling"]] == [(0.7, 0.9), (1.0, 1.0), (1.0, 0.95)]
+    assert set(result["sampling"][0]) == {"temperature", "top_p", "tv_distance", "scored_fraction"}
+
+    # The same numbers as the library computes on the served head, with the model's pinned ids.
+    centroids, assignments = load_assets(path, config)
+    weight, _ = load_lm_head(path, config)
+    head = FlashHead(weight, centroids, assignments, n_probes=2)
+    (expected,) = serving_fidelity(head, hidden, [2], pinned=pinned)
+    assert result["top1_agreement"] == pytest.approx(expected.top1_agreement)
+    assert result["top5_agreement"] == pytest.approx(expected.top5_agreement)
+    for got, want in zip(result["sampling"], expected.sampling):
+        assert got["tv_distance"] == pytest.approx(want.tv_distance, rel=1e-5)
+        assert got["scored_fraction"] == pytest.approx(want.scored_fraction)
+    assert result["top1_agreement"] < 1.0 and result["sampling"][1]["tv_distance"] > 1e-3  # 2 of 6 clusters
+
+
+def test_eval_json_with_every_cluster_probed_is_exact_and_text_mode_prints_fidelity(built_llama, tmp_path, capsys):
+    import json
+
+    path, model = built_llama
+    f = tmp_path / "hs.safetensors"
+    save_file({"hidden_states": _eos_heavy_hidden(model)}, str(f))
+    assert main(["flashhead", "eval", str(path), "--hidden-states", str(f), "--probes", "1,6", "--json"]) == 0
+    one, every = json.loads(capsys.readouterr().out)["results"]
+    assert (one["n_probes"], every["n_probes"]) == (1, 6)
+    assert every["top1_agreement"] == every["top5_agreement"] == 1.0
+    assert all(s["tv_distance"] < 1e-5 for s in every["sampling"])
+    assert all(a["tv_distance"] > b["tv_distance"] for a, b in zip(one["sampling"], every["sampling"]))
+    assert main(["flashhead", "eval", str(path), "--hidden", str(f), "--probes", "1,6"]) == 0
+    out = capsys.readouterr().out
+    assert "serving fidelity" in out and "TV T=0.7 top_p=0.9" in out
+
+
+def test_eval_uses_the_servers_sampled_row_settings(built_llama, tmp_path, capsys, monkeypatch):
+    import json
+
+    path, model = built_llama
+    f = tmp_path / "hs.safetensors"
+    save_file({"hidden_states": _eos_heavy_hidden(model)}, str(f))
+    runs = {}
+    for rank in ("0", "32"):  # no estimate (-inf outside the probes) / the exact head (rank = hidden size)
+        monkeypatch.setenv("MY_PKG_FLASHHEAD_SAMPLED_RANK", rank)
+        monkeypatch.setenv("MY_PKG_FLASHHEAD_SAMPLED_N_PROBES", "3")
+        assert main(["flashhead", "eval", str(path), "--hidden", str(f), "--json"]) == 0
+        (runs[rank],) = json.loads(capsys.readouterr().out)["results"]
+    assert runs["0"]["sampled_n_probes"] == runs["32"]["sampled_n_probes"] == 3
+    assert runs["32"]["sampling"][0]["scored_fraction"] > runs["0"]["sampling"][0]["scored_fraction"]
+    assert all(s["tv_distance"] < 1e-4 for s in runs["32"]["sampling"])
+    assert all(s["tv_distance"] > 1e-3 for s in runs["0"]["sampling"])

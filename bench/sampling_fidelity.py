@@ -1,0 +1,180 @@
+"""Sampling fidelity of FlashHead's sampled-row designs on the trained-LM fixture.
+
+The fixture's head is written as a tied checkpoint in a temporary directory and built by
+``my-pkg flashhead build``, weight-only and with ``--calibration-hidden`` on the fixture's
+calibration states.  For each, prints a markdown table of the
+total-variation distance between the dense sampling distribution and the one a sampled row gets,
+in vLLM's semantics (``my_pkg.flashhead.evaluate.sampling_distribution``), mean over the held-out
+states, with the scored fraction of a sampled row.  Rows:
+
+* clusters drawn in proportion to the softmax of the centroid scores (the design before; its
+  expectation estimated from ``--draws`` draws per state), ``-inf`` elsewhere;
+* the top ``n_probes`` clusters, ``-inf`` elsewhere (what greedy rows get);
+* serving's sampled rows (``FlashHead.step_logits``) at the defaults and at other probe counts / ranks.
+
+With ``--speed VxH`` it instead times one decode step at batch 1 on a random head of that shape
+(random balanced clusters, builder-default ``n_probes``): the dense logits, a greedy row and a
+sampled row of ``FlashHead.step_logits``, and the one-time build of the sampled rows' tables.
+
+    python bench/sampling_fidelity.py                       # the committed fixture, every held-out state
+    python bench/sampling_fidelity.py --rows 1024 --draws 8
+    python bench/sampling_fidelity.py --speed 128256x2048 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import command_line, machine_description  # noqa: E402
+
+from safetensors.torch import save_file  # noqa: E402
+
+from my_pkg.cli import main as cli  # noqa: E402
+from my_pkg.devtools.trained_fixture import TrainedFixture, load_trained_fixture  # noqa: E402
+from my_pkg.flashhead import FlashHead, default_n_probes  # noqa: E402
+from my_pkg.flashhead.assets import load_assets, read_config  # noqa: E402
+from my_pkg.flashhead.clustering import random_balanced_assignment  # noqa: E402
+from my_pkg.flashhead.evaluate import (SAMPLING_SETTINGS, sampling_distribution, serving_fidelity,  # noqa: E402
+                                       total_variation)
+
+
+def _drawn_clusters_tv(head: FlashHead, hidden: torch.Tensor, pinned: torch.Tensor, draws: int,
+                       seed: int) -> list[float]:
+    """TV of the earlier design: ``n_probes`` clusters drawn without replacement with probability
+    ``softmax(score)`` (Gumbel top-k), exact logits of their members and the pinned ids, ``-inf`` elsewhere."""
+    dense = hidden @ head.weight[: head.vocab_size].float().T
+    scores = hidden @ head.centroids.float().T
+    generator = torch.Generator().manual_seed(seed)
+    expected = [torch.zeros_like(dense) for _ in SAMPLING_SETTINGS]
+    for _ in range(draws):
+        uniform = torch.rand(scores.shape, generator=generator).clamp(1e-20, 1 - 1e-7)
+        probes = torch.topk(scores - torch.log(-torch.log(uniform)), head.n_probes, dim=1).indices
+        ids = head.members[probes].reshape(hidden.shape[0], -1)
+        logits = torch.full_like(dense, float("-inf")).scatter_(1, ids, dense.gather(1, ids))
+        logits[:, pinned] = dense[:, pinned]
+        for i, (temperature, top_p) in enumerate(SAMPLING_SETTINGS):
+            expected[i] += sampling_distribution(logits, temperature, top_p) / draws
+    return [float(total_variation(sampling_distribution(dense, t, p), q).mean())
+            for (t, p), q in zip(SAMPLING_SETTINGS, expected)]
+
+
+def _built(fx: TrainedFixture, root: Path, calibrated: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(centroids, assignments, n_probes)`` that ``my-pkg flashhead build`` writes for the fixture's head."""
+    path = root / ("calibrated" if calibrated else "weight-only")
+    path.mkdir()
+    save_file({"model.embed_tokens.weight": fx.weight.contiguous()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**fx.meta["model_config"], "architectures": ["LlamaForCausalLM"]}))
+    special = {str(i): {"content": token, "special": True} for token, i in fx.special_ids.items()}
+    (path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": special}))
+    extra = []
+    if calibrated:
+        save_file({"hidden_states": fx.calibration}, str(root / "calibration.safetensors"))
+        extra = ["--calibration-hidden", str(root / "calibration.safetensors")]
+    if cli(["flashhead", "build", str(path), "--no-progress", *extra]) != 0:
+        raise RuntimeError("my-pkg flashhead build failed")
+    config = read_config(path)
+    centroids, assignments = load_assets(path, config)
+    return centroids, assignments, int(config["n_probes"])
+
+
+def _median_ms(fn, repeats: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def speed(vocab: int, hidden: int) -> None:
+    """Batch-1 step times on a random head of ``vocab x hidden`` (fp32, CPU)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, hidden, generator=generator)
+    assignments = random_balanced_assignment(vocab, 16)
+    clusters = int(assignments.max()) + 1
+    head = FlashHead(weight, torch.randn(clusters, hidden, generator=generator), assignments,
+                     n_probes=default_n_probes(clusters))
+    h = torch.randn(1, hidden, generator=generator)
+    pins, sampled = torch.tensor([0, 1, 2]), np.ones(1, bool)
+    t0 = time.perf_counter()
+    head.step_logits(h, sampled=sampled, pinned=pins)  # builds the tables
+    build = time.perf_counter() - t0
+    print(f"{vocab:,} x {hidden:,}: {clusters:,} clusters, n_probes {head.n_probes}, sampled rows "
+          f"{head.sampled_n_probes} probes and rank {head.sampled_rank}; tables built in {build:.2f} s")
+    print(f"  dense logits {_median_ms(lambda: torch.nn.functional.linear(h, weight)):.2f} ms, "
+          f"greedy row {_median_ms(lambda: head.step_logits(h, pinned=pins)):.2f} ms, "
+          f"sampled row {_median_ms(lambda: head.step_logits(h, sampled=sampled, pinned=pins)):.2f} ms")
+
+
+def _row(name: str, fraction: float, tv: list[float]) -> str:
+    return f"| {name} | {fraction:.1%} | " + " | ".join(f"{x:.4f}" for x in tv) + " |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixture", type=Path, default=None, help="fixture directory (default: the committed one)")
+    ap.add_argument("--rows", type=int, default=None, help="held-out states used (default: all)")
+    ap.add_argument("--draws", type=int, default=16, help="draws per state for the drawn-clusters design")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the drawn-clusters design")
+    ap.add_argument("--speed", default=None, metavar="VxH", help="time a step on a random VxH head instead")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.speed:
+        vocab, hidden = (int(x) for x in args.speed.lower().split("x"))
+        print(machine_description())
+        speed(vocab, hidden)
+        return 0
+    fx = load_trained_fixture(args.fixture)
+    hidden = fx.heldout if args.rows is None else fx.heldout[: args.rows]
+    pinned = sorted({fx.eos_id, *fx.special_ids.values()})
+    pins = torch.tensor(pinned)
+    vocab = fx.weight.shape[0]
+    print(machine_description())
+    print(f"Command: `{command_line()}`; {hidden.shape[0]} held-out states, vocabulary {vocab:,}\n")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        stages = [(name, *_built(fx, Path(tmp), name == "calibrated")) for name in ("weight-only", "calibrated")]
+    print(f"\nbuilt in {time.perf_counter() - t0:.0f} s\n")
+    settings = " | ".join(f"TV T={t:g} top_p={p:g}" for t, p in SAMPLING_SETTINGS)
+    for name, centroids, assignments, n_probes in stages:
+        head = FlashHead(fx.weight, centroids, assignments, n_probes=n_probes)
+        default_probes, default_rank = head.sampled_n_probes, head.sampled_rank
+        print(f"**{name} stage 1**, n_probes {n_probes} (defaults for sampled rows: {default_probes} probes, "
+              f"rank {default_rank})\n")
+        print(f"| sampled rows get | scored | {settings} |")
+        print("|---|---:|" + "---:|" * len(SAMPLING_SETTINGS))
+        greedy_fraction = head.scored_rows_per_step(sampled=False, pinned=len(pinned)) / vocab
+        print(_row(f"{n_probes} clusters drawn ∝ softmax(score), −inf elsewhere (before)", greedy_fraction,
+                   _drawn_clusters_tv(head, hidden, pins, args.draws, args.seed)), flush=True)
+        variants = [(n_probes, 0, f"top {n_probes} clusters, −inf elsewhere (as greedy rows)"),
+                    (default_probes, 0, f"top {default_probes} clusters, −inf elsewhere")]
+        variants += [(p, r, f"top {p} clusters, rank-{r} estimate elsewhere"
+                      + (" **(default)**" if (p, r) == (default_probes, default_rank) else ""))
+                     for p, r in ((default_probes, default_rank), (default_probes, 2 * default_rank),
+                                  (2 * default_probes, default_rank))]
+        for probes, rank, label in variants:
+            head.sampled_n_probes, head.sampled_rank = probes, rank
+            (result,) = serving_fidelity(head, hidden, [n_probes], pinned=pinned)
+            print(_row(label, result.sampling[0].scored_fraction, [s.tv_distance for s in result.sampling]),
+                  flush=True)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

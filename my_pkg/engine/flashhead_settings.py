@@ -1,0 +1,67 @@
+"""FlashHead's settings in one worker: their defaults at start-up (environment, then config.json)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from my_pkg.contract import UPDATE_FIELDS
+from my_pkg.env import env_flag, env_int
+
+__all__ = ["DEFAULT_FIDELITY_EVERY", "UPDATE_FIELDS", "FlashHeadSettings", "default_settings"]
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+DEFAULT_FIDELITY_EVERY = 100  # 1% of FlashHead rows also get the dense argmax (live fidelity telemetry)
+
+
+@dataclass
+class FlashHeadSettings:
+    enabled: bool
+    n_probes: int
+    dense_batch_threshold: int | None  # steps with more rows go dense; None (default): never, per request only
+    probe_sampling: bool  # sampled rows get estimated logits for unprobed clusters and sampled_n_probes probes
+    sampled_n_probes: int | None  # clusters a sampled row probes; None follows n_probes (default_sampled_n_probes)
+    sampled_rank: int | None  # rank of the residual term of sampled rows' estimates; None: the head's default
+    backend: str
+    fidelity_every: int  # check one FlashHead row in this many against the dense head; 0 = off
+
+
+def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashHeadSettings:
+    """Settings at start-up: environment overrides config.json, which overrides defaults."""
+    configured_probes = config.get("n_probes")
+    fallback_probes = max(1, (num_clusters or 16) // 16)
+    n_probes = env_int("MY_PKG_FLASHHEAD_N_PROBES", None, minimum=1)
+    if n_probes is None:
+        n_probes = int(configured_probes) if isinstance(configured_probes, int) and configured_probes > 0 else fallback_probes
+    if num_clusters is not None and n_probes > num_clusters:
+        logger.warning("my_pkg: n_probes=%d exceeds %d clusters; using %d", n_probes, num_clusters, num_clusters)
+        n_probes = num_clusters
+    return FlashHeadSettings(
+        enabled=env_flag("MY_PKG_FLASHHEAD", True),
+        n_probes=n_probes,
+        dense_batch_threshold=env_int("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", None, minimum=0),
+        probe_sampling=env_flag("MY_PKG_FLASHHEAD_PROBE_SAMPLING", True),
+        sampled_n_probes=_sampled_probes_from_env(num_clusters),
+        sampled_rank=env_int("MY_PKG_FLASHHEAD_SAMPLED_RANK", None, minimum=0),
+        backend=_backend_from_env(),
+        fidelity_every=env_int("MY_PKG_FLASHHEAD_FIDELITY_EVERY", DEFAULT_FIDELITY_EVERY, minimum=0),
+    )
+
+
+def _sampled_probes_from_env(num_clusters: int | None) -> int | None:
+    value = env_int("MY_PKG_FLASHHEAD_SAMPLED_N_PROBES", None, minimum=1)
+    if value is not None and num_clusters is not None and value > num_clusters:
+        logger.warning("my_pkg: sampled_n_probes=%d exceeds %d clusters; using %d", value, num_clusters, num_clusters)
+        value = num_clusters
+    return value
+
+
+def _backend_from_env() -> str:
+    backend = os.environ.get("MY_PKG_FLASHHEAD_BACKEND", "auto").strip().lower() or "auto"
+    if backend not in ("auto", "torch", "triton"):
+        logger.warning("my_pkg: ignoring MY_PKG_FLASHHEAD_BACKEND=%r; using auto", backend)
+        return "auto"
+    return backend

@@ -1,0 +1,359 @@
+"""Data-aware stage 1 (``my_pkg.flashhead.calibration`` and ``my-pkg flashhead build --calibration``)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from my_pkg.cli import main
+from my_pkg.flashhead import FlashHead
+from my_pkg.flashhead.assets import CACHE_DIR_NAME, CACHE_FILE_NAME, CALIBRATION_KEY, load_assets, read_config
+from my_pkg.flashhead.calibration import (agreement_curve, agreement_lower_bound, calibrate_stage1, choose_n_probes,
+                                          cluster_targets, fit_stage1, probes_needed, scored_fraction)
+from my_pkg.flashhead.clustering import balanced_kmeans, random_balanced_assignment
+from my_pkg.flashhead.evaluate import synthetic_head, synthetic_hidden_states
+
+VOCAB, HIDDEN = 1024, 32
+
+
+def _states(weight: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """LM-like states: aimed at a head row, plus a shared offset direction (as trained LMs have)."""
+    hidden = synthetic_hidden_states(weight, n, noise=1.5, seed=seed)
+    offset = torch.nn.functional.normalize(torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(5)),
+                                           dim=0)
+    return hidden + 0.7 * offset * hidden.norm(dim=1, keepdim=True)
+
+
+@pytest.fixture(scope="module")
+def clustered():
+    weight = synthetic_head(VOCAB, HIDDEN, seed=3)
+    res = balanced_kmeans(weight, 16, iterations=8, progress=False)
+    return weight, res
+
+
+@pytest.fixture(scope="module")
+def fitted(clustered):
+    weight, res = clustered
+    return fit_stage1(weight, res.assignments, _states(weight, 3000, seed=1), res.centroids, seed=0)
+
+
+def _agreement_by_greedy(weight, centroids, assignments, hidden, n_probes, pinned):
+    """Independent reference: FlashHead's greedy pick over the candidates plus the pinned ids, judged in float32."""
+    head = FlashHead(weight, centroids, assignments, n_probes=n_probes)
+    ids, _ = head.candidate_logits(hidden)
+    if pinned:
+        ids = torch.cat([ids, torch.tensor(pinned).expand(ids.shape[0], -1)], dim=1)
+    reference = hidden @ weight.t()
+    return float((reference.gather(1, ids).max(1).values >= reference.max(1).values).double().mean())
+
+
+def test_targets_match_dense_softmax_and_do_not_depend_on_chunking():
+    torch.manual_seed(0)
+    v = 203  # not a multiple of 16: short clusters are padded in memory, padding must not count
+    weight = torch.randn(v, 12)
+    assignments = random_balanced_assignment(v, 16, seed=1)
+    hidden = 2.0 * torch.randn(40, 12)
+    small = cluster_targets(weight, assignments, hidden, top_k=5, chunk_bytes=1)
+    big = cluster_targets(weight, assignments, hidden, top_k=5)
+    for a, b in zip(vars(small).values(), vars(big).values()):
+        torch.testing.assert_close(a, b)  # float sums differ in the last bit between batch shapes
+    logits = hidden @ weight.t()
+    c = int(assignments.max()) + 1
+    log_mass = torch.stack([torch.logsumexp(logits[:, assignments == k], dim=1) for k in range(c)], dim=1)
+    torch.testing.assert_close(big.log_z, torch.logsumexp(logits, dim=1))
+    torch.testing.assert_close(big.top_log_mass, torch.topk(log_mass, 5, dim=1).values)
+    assert torch.equal(big.winners[:, 0], assignments[logits.argmax(1)])
+    assert (big.winners[:, 1:] == -1).all()  # random rows: no ties
+
+
+def test_probes_needed_matches_flashhead_greedy_with_pins_and_ties(clustered):
+    weight, res = clustered
+    weight = weight.clone()
+    hidden = _states(weight, 600, seed=11)
+    dense_top = (hidden @ weight.t()).argmax(1)
+    # A tie across clusters: a copy of a frequently winning row in another cluster.
+    winner = int(dense_top.mode().values)
+    twin = int(torch.nonzero(res.assignments != res.assignments[winner])[0])
+    weight[twin] = weight[winner]
+    pinned = [int(dense_top[1]), 7]
+    targets = cluster_targets(weight, res.assignments, hidden, pinned_ids=pinned)
+    assert (targets.winners[:, 1] >= 0).any() and targets.pinned_winner.any()
+    needed = probes_needed(res.centroids, hidden, targets)
+    curve = agreement_curve(needed, res.num_clusters)
+    for p in (1, 3, 8, 20, res.num_clusters):
+        assert float(curve[p]) == pytest.approx(
+            _agreement_by_greedy(weight, res.centroids, res.assignments, hidden, p, pinned), abs=1e-12)
+    assert float(curve[res.num_clusters]) == 1.0
+
+
+def test_choose_n_probes_is_the_smallest_reaching_the_target():
+    needed = torch.tensor([0] * 50 + [1] * 30 + [2] * 15 + [5] * 4 + [9])  # 100 rows, 9 clusters
+    estimate = dict(confidence=0.5)  # the held-out estimate itself
+    choice = choose_n_probes(needed, 9, 16, 160, target_agreement=0.95, num_pinned=2, **estimate)
+    assert choice.n_probes == 2 and choice.agreement == pytest.approx(0.95) and choice.reached and choice.certified
+    assert choice.scored_fraction == pytest.approx(scored_fraction(9, 2, 16, 160, 2)) == pytest.approx(43 / 160)
+    assert choose_n_probes(needed, 9, 16, 160, target_agreement=0.96, **estimate).n_probes == 5
+    full = choose_n_probes(needed, 9, 16, 160, target_agreement=1.0, **estimate)
+    assert full.n_probes == 9 and full.agreement == 1.0 and not full.reached and full.certified
+    given = choose_n_probes(needed, 9, 16, 160, target_agreement=0.96, n_probes=3, **estimate)
+    assert given.n_probes == 3 and given.agreement == pytest.approx(0.95) and not given.certified
+    for bad in (dict(target_agreement=1.5), dict(confidence=1.0), dict(confidence=0.3), dict(n_probes=10)):
+        with pytest.raises(ValueError):
+            choose_n_probes(needed, 9, 16, 160, **bad)
+
+
+def test_choose_n_probes_with_confidence_needs_evidence_not_just_the_estimate():
+    # 2,000 held-out rows: 12 misses at 1 probe (0.994), 8 at 2 (0.996), 2 at 3 (0.999), none at 4.
+    needed = torch.tensor([1] * 1988 + [2] * 4 + [3] * 6 + [4] * 2)
+    assert choose_n_probes(needed, 50, 16, 800, target_agreement=0.995, confidence=0.5).n_probes == 2
+    choice = choose_n_probes(needed, 50, 16, 800, target_agreement=0.995, confidence=0.95)
+    assert choice.n_probes == 3 and choice.certified and choice.agreement == pytest.approx(0.999)
+    # Wilson score bound, one-sided 95%.
+    z, n, p = 1.6448536269514722, 2000, 0.999
+    wilson = (p + z * z / (2 * n) - z * ((p * (1 - p) + z * z / (4 * n)) / n) ** 0.5) / (1 + z * z / n)
+    assert choice.agreement_lower == pytest.approx(wilson) and choice.agreement_lower >= 0.995
+    # Too few rows to show 0.995 below all clusters: the estimate decides, uncertified.
+    few = choose_n_probes(needed[::20], 50, 16, 800, target_agreement=0.995, confidence=0.95)
+    assert few.n_probes == 1 and few.agreement == 1.0 and few.reached and not few.certified
+
+
+def test_fit_raises_heldout_agreement_over_weight_only(clustered, fitted):
+    weight, res = clustered
+    assert fitted.best_epoch >= 1 and min(fitted.heldout_loss) < fitted.heldout_loss[0]
+    unseen = _states(weight, 2000, seed=2)
+    targets = cluster_targets(weight, res.assignments, unseen)
+    weight_only = agreement_curve(probes_needed(res.centroids, unseen, targets), res.num_clusters)
+    calibrated = agreement_curve(probes_needed(fitted.centroids, unseen, targets), res.num_clusters)
+    for p in (2, 4, 8, 16):
+        assert calibrated[p] > weight_only[p] + 0.05, (p, float(calibrated[p]), float(weight_only[p]))
+
+
+def test_fit_is_deterministic_for_a_seed(clustered):
+    weight, res = clustered
+    hidden = _states(weight, 600, seed=6)
+    first, again, other = (fit_stage1(weight, res.assignments, hidden, res.centroids, seed=seed, epochs=2)
+                           for seed in (0, 0, 1))
+    assert torch.equal(first.centroids, again.centroids) and torch.equal(first.heldout_rows, again.heldout_rows)
+    assert not torch.equal(first.heldout_rows, other.heldout_rows)
+
+
+def test_fitted_scores_stay_in_logit_units(clustered, fitted):
+    """``size_c * exp(hidden @ centroid_c)`` estimates the cluster's mass: serving uses it for unprobed tokens."""
+    weight, res = clustered
+    unseen = _states(weight, 1000, seed=3)
+    logits = unseen @ weight.t()
+    log_size = torch.log(torch.bincount(res.assignments).float())
+    log_mass = torch.stack([torch.logsumexp(logits[:, res.assignments == k], dim=1)
+                            for k in range(res.num_clusters)], dim=1)
+    estimate = unseen @ fitted.centroids.t() + log_size
+    total_error = (torch.logsumexp(estimate, dim=1) - torch.logsumexp(logits, dim=1)).abs().median()
+    heaviest = log_mass.argmax(1, keepdim=True)
+    heaviest_error = (estimate.gather(1, heaviest) - log_mass.gather(1, heaviest)).abs().median()
+    weight_only = (torch.logsumexp(unseen @ res.centroids.t() + log_size, dim=1)
+                   - torch.logsumexp(logits, dim=1)).abs().median()
+    assert total_error < 2.0 and heaviest_error < 2.0, (float(total_error), float(heaviest_error))
+    assert total_error < weight_only / 2
+
+
+def test_fit_rejects_bad_input(clustered):
+    weight, res = clustered
+    hidden = _states(weight, 50, seed=1)
+    with pytest.raises(ValueError, match=r"hidden states must be \[N, 32\]"):
+        fit_stage1(weight, res.assignments, hidden[:, :31], res.centroids)
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        fit_stage1(weight, res.assignments, hidden, res.centroids, heldout_fraction=1.0)
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_stage1(weight, res.assignments, hidden[:1], res.centroids)
+    bad = hidden.clone()
+    bad[3, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        fit_stage1(weight, res.assignments, bad, res.centroids)
+    with pytest.raises(ValueError, match="n_probes"):
+        calibrate_stage1(weight, res.assignments, res.centroids, hidden, n_probes=res.num_clusters + 1)
+
+
+def test_calibrate_stage1_chooses_on_heldout_and_compares_with_weight_only(clustered):
+    weight, res = clustered
+    hidden = _states(weight, 2000, seed=4)
+    cal = calibrate_stage1(weight, res.assignments, res.centroids, hidden, target_agreement=0.9, epochs=10)
+    held = hidden[cal.fit.heldout_rows]
+    targets = cluster_targets(weight, res.assignments, held)
+    curve = agreement_curve(probes_needed(cal.centroids, held, targets), res.num_clusters)
+    lower = agreement_lower_bound(curve, held.shape[0], 0.95)
+    assert lower[cal.n_probes] >= 0.9 > lower[cal.n_probes - 1] and cal.choice.certified
+    assert cal.choice.agreement == pytest.approx(float(curve[cal.n_probes]))
+    assert cal.weight_only.n_probes > cal.n_probes
+    assert cal.weight_only_same_probes.n_probes == cal.n_probes
+    record = cal.record()
+    assert record["n_probes"] == cal.n_probes and record["heldout_rows"] == 400 and record["rows"] == 2000
+    assert record["weight_only_heldout_agreement"] < record["heldout_agreement"]
+    assert record["target_agreement"] == 0.9 and record["confidence"] == 0.95
+
+
+# ------------------------------------------------------------------------------------ trained LM fixture
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The trained fixture's head clustered weight-only, then calibrated on its calibration states only."""
+    from my_pkg.devtools.trained_fixture import load_trained_fixture
+
+    fx = load_trained_fixture()
+    res = balanced_kmeans(fx.weight, 16, iterations=20, seed=0, progress=False)
+    pinned = sorted({fx.eos_id, *fx.special_ids.values()})
+    cal = calibrate_stage1(fx.weight, res.assignments, res.centroids, fx.calibration, pinned_ids=pinned,
+                           target_agreement=0.995, seed=0)
+    return fx, res, pinned, cal
+
+
+def _largest_probes_within(fraction, num_clusters, vocab, pinned):
+    return max(p for p in range(1, num_clusters + 1) if scored_fraction(num_clusters, p, 16, vocab, pinned) <= fraction)
+
+
+def test_trained_lm_calibrated_stage1_meets_the_targets_on_unseen_text(trained):
+    """Issue targets on held-out text the model and the calibration never saw: top-1 agreement >= 0.995
+    with <= 15% of the rows scored, and the stretch 0.999 with <= 12%; weight-only stage 1 for comparison."""
+    fx, res, pinned, cal = trained
+    vocab, c = fx.weight.shape[0], res.num_clusters
+    targets = cluster_targets(fx.weight, res.assignments, fx.heldout, pinned_ids=pinned)
+    calibrated = agreement_curve(probes_needed(cal.centroids, fx.heldout, targets), c)
+    weight_only = agreement_curve(probes_needed(res.centroids, fx.heldout, targets), c)
+    p15, p12 = (_largest_probes_within(f, c, vocab, len(pinned)) for f in (0.15, 0.12))
+    for p, target in ((p15, 0.995), (p12, 0.999)):
+        by_greedy = _agreement_by_greedy(fx.weight, cal.centroids, res.assignments, fx.heldout, p, pinned)
+        assert by_greedy == pytest.approx(float(calibrated[p]), abs=1e-12)
+        assert by_greedy >= target, (p, by_greedy, float(weight_only[p]))
+    for p in range(1, p12 + 1):
+        assert calibrated[p] >= weight_only[p], p
+    assert calibrated[p12] - weight_only[p12] > 0.005
+
+
+def test_trained_lm_builder_choice_of_n_probes(trained):
+    """The written n_probes is the smallest whose agreement on the calibration data's held-out part reaches
+    0.995 with 95% confidence; it holds on unseen text and scores far fewer rows than weight-only needs."""
+    fx, res, pinned, cal = trained
+    vocab, c = fx.weight.shape[0], res.num_clusters
+    assert cal.choice.certified and cal.choice.agreement_lower >= 0.995
+    assert cal.choice.scored_fraction <= 0.12
+    assert cal.choice.scored_fraction == pytest.approx(scored_fraction(c, cal.n_probes, 16, vocab, len(pinned)))
+    assert cal.weight_only.n_probes > cal.n_probes
+    held = fx.calibration[cal.fit.heldout_rows]
+    curve = agreement_curve(probes_needed(cal.centroids, held, cluster_targets(
+        fx.weight, res.assignments, held, pinned_ids=pinned)), c)
+    lower = agreement_lower_bound(curve, held.shape[0], 0.95)
+    assert lower[cal.n_probes - 1] < 0.995 <= lower[cal.n_probes]
+    unseen = _agreement_by_greedy(fx.weight, cal.centroids, res.assignments, fx.heldout, cal.n_probes, pinned)
+    assert unseen >= 0.995, unseen
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from my_pkg.devtools.tiny_model import TinyLlamaSpec, build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", TinyLlamaSpec(vocab_size=512, hidden_size=64))
+
+
+@pytest.fixture(scope="module")
+def calibration_text(tmp_path_factory):
+    import random
+
+    words = ("the of and to a in is it you that he was for on are with as his they be at one have this from or had "
+             "by hot word but what some we can out other were all there when up use your how said an each she").split()
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("text") / "calibration.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(1500)))
+    return path
+
+
+def _build(model, *extra):
+    return main(["flashhead", "build", str(model), "--no-progress", "--iterations", "4", *extra])
+
+
+def test_cli_calibration_text_writes_fitted_vectors_and_chosen_probes(tiny_llama, calibration_text, tmp_path, capsys):
+    weight_only, calibrated = tmp_path / "weight-only", tmp_path / "calibrated"
+    assert _build(tiny_llama, "--output", str(weight_only)) == 0
+    assert CALIBRATION_KEY not in read_config(weight_only)
+    capsys.readouterr()
+    assert _build(tiny_llama, "--output", str(calibrated), "--calibration", str(calibration_text),
+                  "--target-agreement", "0.99") == 0
+    out = capsys.readouterr().out
+    assert "calibrated stage 1 on 1,500 hidden states (text)" in out
+
+    config = read_config(calibrated)
+    record = config[CALIBRATION_KEY]
+    assert record["rows"] == 1500 and record["heldout_rows"] == 300 and record["source"] == "text"
+    assert record["target_agreement"] == 0.99 and record["n_probes"] == config["n_probes"]
+    assert record["heldout_agreement_lower_bound"] >= 0.99 and record["target_certified"] and record["target_reached"]
+    assert config["architectures"] == ["FlashHeadLlamaForCausalLM"] and config["flash_head_cache_dir"] == CACHE_DIR_NAME
+    # Published layout: [hidden, clusters]; same clusters as the weight-only build, other stage-1 vectors.
+    cache, base = (load_file(str(d / CACHE_DIR_NAME / CACHE_FILE_NAME)) for d in (calibrated, weight_only))
+    assert cache["centroids"].shape == base["centroids"].shape == (64, 32)
+    assert torch.equal(cache["cluster_assignments"], base["cluster_assignments"])
+    assert not torch.allclose(cache["centroids"], base["centroids"])
+    centroids, _ = load_assets(calibrated, config)
+    assert torch.equal(centroids, cache["centroids"].t())
+
+    # Rebuilding weight-only in place drops the stale record.
+    assert _build(calibrated) == 0
+    assert CALIBRATION_KEY not in read_config(calibrated)
+
+
+def test_cli_calibration_hidden_file_and_explicit_probes(tiny_llama, tmp_path, capsys):
+    from my_pkg.flashhead.assets import load_lm_head
+
+    weight, _ = load_lm_head(tiny_llama)
+    states = tmp_path / "states.safetensors"
+    save_file({"hidden_states": synthetic_hidden_states(weight, 400, noise=1.0, seed=2)}, str(states))
+    out_dir = tmp_path / "out"
+    assert _build(tiny_llama, "--output", str(out_dir), "--calibration-hidden", str(states), "--n-probes", "5") == 0
+    config = read_config(out_dir)
+    assert config["n_probes"] == 5
+    record = config[CALIBRATION_KEY]
+    assert record["n_probes"] == 5 and record["rows"] == 400 and record["source"] == "hidden_states"
+    assert "held-out top-1 agreement at n_probes=5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", ["missing text", "empty text", "missing states", "wrong hidden size",
+                                  "too few states", "not safetensors"])
+def test_cli_calibration_bad_input_writes_nothing(tiny_llama, tmp_path, capsys, case):
+    states = tmp_path / "states.safetensors"
+    if case == "empty text":
+        (tmp_path / "empty.txt").write_text("  \n")
+        extra = ["--calibration", str(tmp_path / "empty.txt")]
+    elif case == "missing text":
+        extra = ["--calibration", str(tmp_path / "nope.txt")]
+    elif case == "missing states":
+        extra = ["--calibration-hidden", str(tmp_path / "nope.safetensors")]
+    elif case == "not safetensors":
+        states.write_bytes(b"garbage")
+        extra = ["--calibration-hidden", str(states)]
+    else:
+        rows, width = (100, 63) if case == "wrong hidden size" else (5, 64)
+        save_file({"hidden_states": torch.randn(rows, width)}, str(states))
+        extra = ["--calibration-hidden", str(states)]
+    expected = {"missing text": "cannot read calibration text", "empty text": "is empty",
+                "missing states": "not found", "not safetensors": "cannot read calibration hidden states",
+                "wrong hidden size": "must be [N, 64]", "too few states": "at least 20"}[case]
+    out_dir = tmp_path / "out"
+    before = (tiny_llama / "config.json").read_text()
+    assert _build(tiny_llama, "--output", str(out_dir), *extra) == 1
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert not out_dir.exists()
+    assert (tiny_llama / "config.json").read_text() == before and not (tiny_llama / CACHE_DIR_NAME).exists()
+
+
+def test_cli_calibration_sources_are_exclusive_and_target_validated(tiny_llama, calibration_text, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _build(tiny_llama, "--calibration", str(calibration_text), "--calibration-hidden", "x.safetensors")
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _build(tiny_llama, "--calibration", str(calibration_text), "--target-agreement", "1.2")
+    assert "must lie in (0, 1]" in capsys.readouterr().err
+    assert json.loads((tiny_llama / "config.json").read_text()).get("n_probes") is None

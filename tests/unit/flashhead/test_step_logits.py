@@ -1,0 +1,198 @@
+"""`FlashHead.step_logits`: the logits serving hands to vLLM's sampler for one decode step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from my_pkg.flashhead import FlashHead
+from my_pkg.flashhead.clustering import random_balanced_assignment
+from my_pkg.flashhead.head import default_sampled_n_probes
+from my_pkg.flashhead.tail_estimate import build_tail_tables, default_tail_rank
+
+VOCAB, HIDDEN, PAD = 333, 37, 5  # 21 clusters, the last ones one member short (padded in memory)
+
+
+def _head(n_probes: int = 3, dtype: torch.dtype = torch.float32, **kw) -> FlashHead:
+    g = torch.Generator().manual_seed(0)
+    spectrum = (torch.arange(HIDDEN) + 1.0) ** -0.5  # a decaying spectrum, as LM heads have
+    weight = (torch.randn(VOCAB + PAD, HIDDEN, generator=g) * spectrum).to(dtype)
+    assignments = random_balanced_assignment(VOCAB, 16, seed=1)
+    clusters = int(assignments.max()) + 1
+    centroids = torch.stack([weight[:VOCAB].float()[assignments == c].mean(0) for c in range(clusters)])
+    return FlashHead(weight, centroids, assignments, vocab_size=VOCAB, n_probes=n_probes, backend="torch", **kw)
+
+
+def _hidden(rows: int, seed: int = 1) -> torch.Tensor:
+    return 2.0 * torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def _token_cluster(head: FlashHead) -> torch.Tensor:
+    cluster = torch.empty(head.vocab_size, dtype=torch.long)
+    cluster[head.members.flatten()] = torch.arange(head.num_clusters).repeat_interleave(head.cluster_size)
+    return cluster
+
+
+def _top_clusters(head: FlashHead, hidden: torch.Tensor, probes: int) -> list[set[int]]:
+    scores = hidden.to(head.weight.dtype) @ head.centroids.T
+    return [set(row.tolist()) for row in torch.topk(scores, probes, dim=1).indices]
+
+
+def test_greedy_rows_are_exact_on_the_top_clusters_and_minus_inf_elsewhere():
+    head = _head()
+    hidden = _hidden(4)
+    logits = head.step_logits(hidden)
+    dense = head.dense_logits(hidden)
+    cluster = _token_cluster(head)
+    for row, probed in enumerate(_top_clusters(head, hidden, head.n_probes)):
+        in_probed = torch.tensor([int(c) in probed for c in cluster])
+        torch.testing.assert_close(logits[row][in_probed], dense[row][in_probed])
+        assert (logits[row][~in_probed] == float("-inf")).all()
+    assert torch.equal(logits.argmax(1), head.greedy(hidden))
+
+
+def test_sampled_rows_probe_more_clusters_and_estimate_the_others_from_a_low_rank_head():
+    head = _head()
+    assert head.sampled_n_probes == default_sampled_n_probes(head.n_probes, head.num_clusters) == 3
+    head.n_probes = 1
+    assert head.sampled_n_probes == 2 == math.ceil(21 / 16)  # candidates cover 1/16 of the vocabulary
+    hidden = _hidden(3)
+    logits = head.step_logits(hidden, sampled=torch.ones(3, dtype=torch.bool))
+    dense = head.dense_logits(hidden)
+    cluster = _token_cluster(head)
+    tables = build_tail_tables(head.weight, VOCAB, head.sampled_rank)  # seeded: the head's own tables
+    torch.testing.assert_close(tables.basis.T @ tables.basis, torch.eye(3))
+    estimates = (hidden @ tables.basis) @ (head.weight[:VOCAB] @ tables.basis).T  # h B B.T w_v
+    assert torch.isfinite(logits).all()
+    for row, probed in enumerate(_top_clusters(head, hidden, head.sampled_n_probes)):
+        in_probed = torch.tensor([int(c) in probed for c in cluster])
+        assert int(in_probed.sum()) > 16  # more than the greedy rows' one cluster
+        torch.testing.assert_close(logits[row][in_probed], dense[row][in_probed])
+        torch.testing.assert_close(logits[row][~in_probed], estimates[row][~in_probed], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("rank", [1, 3, 8])
+def test_the_low_rank_head_keeps_almost_all_the_energy_an_exact_svd_keeps(rank):
+    weight = _head().weight[:VOCAB]
+    singular = torch.linalg.svdvals(weight)
+    tables = build_tail_tables(weight, VOCAB, rank)
+    kept = float((tables.projected ** 2).sum())  # ||W B||^2
+    assert kept <= float((singular[:rank] ** 2).sum()) * (1 + 1e-5)
+    assert kept >= 0.99 * float((singular[:rank] ** 2).sum())
+    with pytest.raises(ValueError, match="rank"):
+        build_tail_tables(weight, VOCAB, 0)
+
+
+def test_rank_zero_gives_sampled_rows_minus_inf_outside_their_probes():
+    head = _head(n_probes=1, sampled_rank=0)
+    hidden = _hidden(2)
+    logits = head.step_logits(hidden, sampled=np.ones(2, bool), postprocess=lambda x: torch.tanh(x / 2) * 2)
+    assert (torch.isfinite(logits).sum(1) == 16 * head.sampled_n_probes).all()
+
+
+def test_the_estimates_get_closer_to_the_exact_logits_with_the_rank():
+    hidden = _hidden(8)
+    errors = []
+    for rank in (1, 4, 16, HIDDEN):
+        head = _head(n_probes=1, sampled_rank=rank)
+        logits = head.step_logits(hidden, sampled=np.ones(8, bool))
+        errors.append(float((logits - head.dense_logits(hidden)).abs().mean()))
+        assert head.extra_memory_bytes > _head().extra_memory_bytes  # the tables, once built
+    assert errors[0] > errors[1] > errors[2] > 0.0
+    assert errors[3] < 1e-4  # full rank: the exact head
+
+
+def test_mixed_batch_rows_equal_the_rows_computed_alone_and_are_deterministic():
+    head = _head()
+    hidden = _hidden(5)
+    sampled = np.array([True, False, False, True, False])
+    pinned = torch.tensor([7, 300])
+    logits = head.step_logits(hidden, sampled=sampled, pinned=pinned)
+    for row in range(5):
+        alone = head.step_logits(hidden[row:row + 1], sampled=sampled[row:row + 1], pinned=pinned)
+        torch.testing.assert_close(logits[row:row + 1], alone, rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(logits[row]).all() == bool(sampled[row])
+    assert torch.equal(logits, head.step_logits(hidden, sampled=torch.from_numpy(sampled), pinned=pinned))
+
+
+def test_pinned_ids_are_exact_on_every_row_probed_or_not():
+    head = _head(n_probes=1)
+    hidden = _hidden(6)
+    dense = head.dense_logits(hidden)
+    cluster = _token_cluster(head)
+    # A token of a cluster no row probes, even with the sampled rows' probes.
+    probed = set().union(*_top_clusters(head, hidden, head.sampled_n_probes))
+    far = next(t for t in range(VOCAB) if int(cluster[t]) not in probed)
+    pinned = torch.tensor([far, 0])
+    for sampled in (None, np.array([True, False] * 3)):
+        logits = head.step_logits(hidden, sampled=sampled, pinned=pinned)
+        torch.testing.assert_close(logits[:, pinned], dense[:, pinned])
+    assert (head.step_logits(hidden)[:, far] == float("-inf")).all()  # without the pin it is not scored
+
+
+def test_postprocess_applies_to_finite_values_only():
+    head = _head()
+    hidden = _hidden(4) * 3
+    cap = 2.0
+
+    def soft_cap(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x / cap) * cap
+
+    sampled = np.array([True, False, True, False])
+    pinned = torch.tensor([11])
+    raw = head.step_logits(hidden, sampled=sampled, pinned=pinned)
+    capped = head.step_logits(hidden, sampled=sampled, pinned=pinned, postprocess=soft_cap)
+    finite = torch.isfinite(raw)
+    assert torch.equal(torch.isfinite(capped), finite)  # tanh would map -inf to -cap
+    torch.testing.assert_close(capped[finite], soft_cap(raw[finite]))
+    assert capped[finite].abs().max() <= cap
+
+
+def test_every_cluster_probed_gives_the_dense_logits_on_every_row():
+    head = _head(n_probes=21)
+    hidden = _hidden(4)
+    logits = head.step_logits(hidden, sampled=np.array([True, False, True, False]))
+    torch.testing.assert_close(logits, head.dense_logits(hidden))
+
+
+def test_sampled_n_probes_setting():
+    head = _head(n_probes=4, sampled_n_probes=5)
+    assert head.sampled_n_probes == 5
+    head.sampled_n_probes = None  # follows n_probes again
+    head.n_probes = 15
+    assert head.sampled_n_probes == default_sampled_n_probes(15, 21) == 15  # never fewer than greedy rows
+    assert default_sampled_n_probes(30, 21) == 21 and default_sampled_n_probes(1, 800) == 50
+    assert head.sampled_rank == default_tail_rank(HIDDEN) == 3  # ceil(37 / 16)
+    assert head.scored_rows_per_step(sampled=True, pinned=2) == 21 + 15 * 16 + 2 + math.ceil(3 * (37 + VOCAB) / 37)
+    assert head.scored_rows_per_step(sampled=False) == 21 + 15 * 16
+    for bad in (0, 22, True, 2.0):
+        with pytest.raises(ValueError, match="sampled_n_probes"):
+            head.sampled_n_probes = bad
+    for bad in (-1, HIDDEN + 1, 1.5):
+        with pytest.raises(ValueError, match="sampled_rank"):
+            head.sampled_rank = bad
+
+
+def test_bad_sampled_mask_is_refused():
+    head = _head()
+    with pytest.raises(ValueError, match="sampled has 2 entries for 3 rows"):
+        head.step_logits(_hidden(3), sampled=np.array([True, False]))
+
+
+def test_bf16_head_keeps_its_dtype():
+    head = _head(dtype=torch.bfloat16)
+    hidden = _hidden(3).to(torch.bfloat16)
+    logits = head.step_logits(hidden, sampled=np.array([True, False, True]), pinned=torch.tensor([3]))
+    assert logits.dtype == torch.bfloat16 and logits.shape == (3, VOCAB)
+    assert torch.isfinite(logits[0]).all() and not torch.isfinite(logits[1]).all()
+
+
+def test_row_indices_reach_the_device_as_int64_without_changing():
+    from my_pkg.flashhead.staging import index_tensor
+
+    rows = np.array([3, 0, 7], dtype=np.int32)
+    staged = index_tensor(rows, torch.device("cpu"))
+    assert staged.dtype == torch.int64 and staged.tolist() == [3, 0, 7]
