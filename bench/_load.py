@@ -84,8 +84,6 @@ def flashhead_server(model: Path, log_path: Path, *, max_model_len: int, max_num
         "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD": None,
         "MY_PKG_RPC_TIMEOUT": None,
         "MY_PKG_STATUS_MAX_AGE": None,
-        # FlashHead hooks vLLM's V1 model runner; V2 is the default on CUDA with Triton.
-        "VLLM_USE_V2_MODEL_RUNNER": "0",
     }
     args = ["--max-num-seqs", str(max_num_seqs), *(extra_args or [])]
     return VllmServer(model=str(model), args=args, env=env, log_path=log_path, dtype="float32",

@@ -143,6 +143,7 @@ def to_markdown(phases: list[Phase], args: argparse.Namespace) -> str:
            f"One vLLM server (float32) serving a random Llama converted to FlashHead: V = {SPEC.vocab_size:,}, "
            f"H = {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers; both plugin halves, admin token set, "
            "`MY_PKG_STATUS_MAX_AGE` at its default (1 s). "
+           f"{_binding()}"
            f"Completion load in every phase: {args.clients} closed-loop clients, greedy, {args.max_tokens} tokens "
            f"each (`ignore_eos`). Phases of {args.seconds:g} s: without polling, with polling, without polling. "
            f"Polling: one client at {args.hz:g} Hz on a fixed schedule, rotating through "
@@ -187,6 +188,15 @@ def _load_average() -> str:
     if not hasattr(os, "getloadavg"):
         return "unknown"
     return " / ".join(f"{value:.1f}" for value in os.getloadavg()) + " (1 / 5 / 15 min)"
+
+
+def _binding() -> str:
+    """How the worker's OpenMP threads were placed (vLLM's CPU setting), as the docs should say."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if not bind:
+        return "Worker threads placed by vLLM (no `VLLM_CPU_OMP_THREADS_BIND`). "
+    return (f"`VLLM_CPU_OMP_THREADS_BIND={bind}`: the worker's compute threads on those cores, the other cores "
+            "left to the API server and the clients. ")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,21 +14,22 @@ class CliError(Exception):
     """An error reported to the user as one line on stderr."""
 
 
-def _int_list(text: str) -> list[int]:
+def _parsed(text: str, convert, what: str):
     try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
+        return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def _int_list(text: str) -> list[int]:
+    vals = _parsed(text, lambda t: [int(x) for x in t.split(",") if x.strip()], "comma-separated integers")
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError("probe counts must be >= 1")
     return vals
 
 
 def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    v = _parsed(text, int, "an integer")
     if v < 1:
         raise argparse.ArgumentTypeError("must be >= 1")
     return v
@@ -38,20 +39,14 @@ DEFAULT_EVAL_PROBES = (8, 16, 32, 64, 128, 256, 512)
 
 
 def _agreement(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    v = _parsed(text, float, "a number")
     if not 0.0 < v <= 1.0:
         raise argparse.ArgumentTypeError("must lie in (0, 1]")
     return v
 
 
 def _confidence(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    v = _parsed(text, float, "a number")
     if not 0.5 <= v < 1.0:
         raise argparse.ArgumentTypeError("must lie in [0.5, 1)")
     return v

@@ -4,8 +4,13 @@ Stage 2 on CPU uses ``torch.sparse.sampled_addmm``: the candidate token ids form
 column pattern of a CSR matrix ``[B, V']`` and the op evaluates ``hidden[b] . weight[v]``
 only at those positions, reading each candidate row once without materialising a
 gathered copy (a fresh ``index_select`` copy of thousands of rows is several times slower
-on CPU).  On other devices (or dtypes the sparse op lacks) rows are gathered with
-``index_select`` and reduced with ``bmm``.
+on CPU).  The sparse op has no bfloat16/float16 CPU kernel: for those dtypes each row's
+candidates are gathered in blocks of at most ``_CPU_GATHER_BLOCK_BYTES`` and scored with
+one ``mm`` per block.  The half-precision ``mm`` accumulates in float32 and rounds once
+(about twice as fast as ``bmm``/``mv`` on the same rows), and a block that small is reused
+by the allocator from step to step, where one gathered copy of every row of a batch
+(hundreds of MB) is a fresh mapping that is page-faulted in again on every step.
+On other devices rows are gathered with ``index_select`` and reduced with ``bmm``.
 """
 
 from __future__ import annotations
@@ -19,26 +24,26 @@ __all__ = ["stage1_scores", "select_probes", "candidate_ids", "candidate_logits"
 
 _SPARSE_OK: dict[torch.dtype, bool] = {}
 
+# Largest gathered block on the CPU path without the sparse op (bytes of candidate rows per
+# ``mm``): one block per row at 128,256 x 2,048 in bf16, and below glibc's largest mmap threshold
+# (32 MiB), so freed blocks stay in the heap for the next one.
+_CPU_GATHER_BLOCK_BYTES = 16 << 20
+
 
 def stage1_scores(hidden: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """``[B, C]`` centroid scores ``hidden @ centroids.T`` (in the centroids' dtype)."""
     return torch.nn.functional.linear(hidden.to(centroids.dtype), centroids)
 
 
-def select_probes(scores: torch.Tensor, n_probes: int, *, sample_rows: torch.Tensor | None = None,
-                  temperature: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Top-``n_probes`` clusters per row; rows flagged in ``sample_rows`` instead draw
-    ``n_probes`` clusters without replacement with probabilities ``softmax(scores / temperature)``
-    (Gumbel-top-k), fully on device and without host synchronisation."""
-    if sample_rows is None:
-        return torch.topk(scores, n_probes, dim=-1, sorted=False).indices
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0")
-    s = scores.float()
-    u = torch.rand(s.shape, generator=generator, device=s.device, dtype=torch.float32)
-    gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
-    perturbed = torch.where(sample_rows.to(s.device).view(-1, 1), s / temperature + gumbel, s)
-    return torch.topk(perturbed, n_probes, dim=-1, sorted=False).indices
+def select_probes(scores: torch.Tensor, n_probes: int) -> torch.Tensor:
+    """``[B, n_probes]`` the top-``n_probes`` clusters of each row (unsorted).
+
+    Deterministic: greedy and sampled rows alike take their top clusters, so a seeded request
+    reproduces.  Sampled rows get the mass outside their clusters from an estimate instead of
+    drawing clusters in proportion to the centroid softmax, which lost most of it on a trained
+    LM, as the top clusters alone do (docs/flashhead.md, "Sampling fidelity").
+    """
+    return torch.topk(scores, n_probes, dim=-1, sorted=False).indices
 
 
 def candidate_ids(members: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
@@ -83,16 +88,38 @@ def _logits_gather(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor
     return torch.bmm(rows, hidden.unsqueeze(2)).squeeze(2)
 
 
+def _logits_blocked(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                    block_rows: int | None = None) -> torch.Tensor:
+    """``[B, N]`` logits ``weight[ids[b, j]] . hidden[b]`` in the weight's dtype, for CPU dtypes
+    without ``sampled_addmm``: per row, blocks of at most ``block_rows`` candidate rows
+    (default: ``_CPU_GATHER_BLOCK_BYTES`` worth) are gathered and scored by one ``mm``."""
+    b, n = ids.shape
+    if block_rows is None:
+        block_rows = _CPU_GATHER_BLOCK_BYTES // max(1, weight.shape[1] * weight.element_size())
+    block_rows = max(1, block_rows)
+    out = torch.empty((b, n), dtype=weight.dtype, device=weight.device)
+    for row in range(b):
+        column = hidden[row:row + 1].t()
+        for start in range(0, n, block_rows):
+            stop = min(n, start + block_rows)
+            # One expression, so each gathered block is freed before the next one is allocated
+            # (two live blocks make the allocator give memory back and fault it in again).
+            torch.mm(weight.index_select(0, ids[row, start:stop]), column, out=out[row, start:stop].unsqueeze(1))
+    return out
+
+
 def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor,
                      probes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact logits of every candidate: ``(token_ids [B, P*cap], logits [B, P*cap])``."""
     hidden = hidden.to(weight.dtype)
     ids = candidate_ids(members, probes)
+    if hidden.device.type != "cpu":
+        return ids, _logits_gather(hidden, weight, ids)
     # The CSR pattern allows at most ``V'`` entries per row (only hit when padding duplicates
-    # push ``P*cap`` above the head's row count); fall back to gathering then.
-    if hidden.device.type == "cpu" and ids.shape[1] <= weight.shape[0] and _sparse_supported(weight.dtype):
+    # push ``P*cap`` above the head's row count); gather in blocks then.
+    if ids.shape[1] <= weight.shape[0] and _sparse_supported(weight.dtype):
         return ids, _logits_sparse(hidden.contiguous(), weight, ids)
-    return ids, _logits_gather(hidden, weight, ids)
+    return ids, _logits_blocked(hidden, weight, ids)
 
 
 def greedy_from_candidates(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
