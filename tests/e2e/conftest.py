@@ -1,4 +1,8 @@
-"""Real vLLM OpenAI servers on CPU, one per configuration, shared by the whole session.
+"""Real vLLM OpenAI servers on CPU, one per configuration.
+
+Servers several test modules use live for the whole session; a server only one
+module uses lives for that module, so that the machine never holds more servers
+than it has memory for.
 
 Every server serves a tiny random Llama built locally (no hub); the FlashHead
 variant is converted by this package's own builder CLI.
@@ -120,13 +124,13 @@ def _lora_server(model: Path, adapter: Path, logs: Path, name: str) -> VllmServe
                    ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={adapter}"])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lora_plain_server(base_model: Path, lora_adapter: Path, logs_dir: Path) -> Iterator[VllmServer]:
     with _lora_server(base_model, lora_adapter, logs_dir, "lora-plain") as server:
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lora_flashhead_server(flashhead_model: Path, lora_adapter: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """The FlashHead model: same weights as the plain one, plus FlashHead assets."""
     with _lora_server(flashhead_model, lora_adapter, logs_dir, "lora-flashhead") as server:
@@ -143,7 +147,7 @@ def features_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServe
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pooling_server(base_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """The model served as an embedding model, with both halves loaded."""
     with _server(base_model, logs_dir, "pooling", {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
@@ -180,7 +184,7 @@ def other_plugin_path(e2e_dir: Path) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def other_plugin_server(flashhead_model: Path, other_plugin_path: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """The FlashHead model with both halves and another plugin that owns LogitsProcessor."""
     pythonpath = os.pathsep.join(filter(None, [str(other_plugin_path), os.environ.get("PYTHONPATH")]))
@@ -190,7 +194,7 @@ def other_plugin_server(flashhead_model: Path, other_plugin_path: Path, logs_dir
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """Data parallel 2 on CPU: two engine cores (one worker each) behind one API server."""
     with _server(flashhead_model, logs_dir, "dp2",
