@@ -277,13 +277,10 @@ async def flashhead_status(handler: Handler) -> FlashHeadStatusResponse:
     "/flashhead",
     responses={
         409: _error_doc(
-            "FlashHead is not available on this model, or another update is "
-            "still in progress."
+            "The served model cannot take a valid update (e.g. more probes than it has clusters), "
+            "FlashHead is not available on it, or another update is still in progress; nothing applied."
         ),
-        422: _error_doc(
-            "Invalid body, or the update was rejected by a worker "
-            "(nothing applied)."
-        ),
+        422: _error_doc("Invalid body (nothing applied)."),
     },
     summary="Change FlashHead settings on all workers, or on none",
 )
@@ -423,8 +420,9 @@ async def _rejected(
             update=update,
             errors=failing,
         )
+    # The body is valid (the API checked it); what a worker refuses conflicts with the model it serves.
     return AdminAPIError(
-        422,
+        409,
         f"FlashHead update rejected by {len(failing)} worker(s); nothing was applied.",
         type="invalid_update",
         hint="Fix the values reported per rank and retry.",

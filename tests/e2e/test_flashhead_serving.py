@@ -201,7 +201,6 @@ def test_put_changes_probes_and_enabled_live(fh, flashhead_server):
     ("body", "fragment"),
     [
         ({"n_probes": 0}, "n_probes"),
-        ({"n_probes": NUM_CLUSTERS + 1}, "clusters"),
         ({"dense_batch_threshold": -3}, "dense_batch_threshold"),
         ({"enabled": "sometimes"}, "enabled"),
         ({"probes": 4}, "probes"),
@@ -217,6 +216,14 @@ def test_invalid_put_is_422_and_changes_nothing(fh, body, fragment):
     assert {k: after[k] for k in ("enabled", "n_probes", "dense_batch_threshold")} == {
         k: before[k] for k in ("enabled", "n_probes", "dense_batch_threshold")
     }
+
+
+def test_a_valid_put_the_model_cannot_take_is_409_and_changes_nothing(fh):
+    before = _status(fh)
+    response = _put(fh, {"n_probes": NUM_CLUSTERS + 1})
+    assert response.status_code == 409, response.text
+    assert response.json()["error"]["type"] == "invalid_update" and "clusters" in response.text
+    assert _status(fh)["n_probes"] == before["n_probes"]
 
 
 def test_put_needs_the_right_token(fh):

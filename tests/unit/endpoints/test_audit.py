@@ -29,11 +29,11 @@ async def test_mutations_and_refusals_are_recorded_and_logged(app, client_for, e
         applied = await admin.put(URL, json={"n_probes": 6}, headers={"X-Request-Id": "change-42"})
         assert applied.status_code == 200 and applied.headers["X-Request-Id"] == "change-42"
         assert (await reader.put(URL, json={"n_probes": 2})).status_code == 403
-        assert (await admin.put(URL, json={"n_probes": 999})).status_code == 422  # a worker refuses
+        assert (await admin.put(URL, json={"n_probes": 999})).status_code == 409  # a worker refuses
         assert (await admin.put(URL, json={"n_probes": 0})).status_code == 422  # invalid body
         entries = (await admin.get("/plugins/my_pkg/audit")).json()["entries"]
     assert [(e["status_code"], e["result"]) for e in entries] == [
-        (200, "applied"), (403, "refused"), (422, "refused"), (422, "refused")]
+        (200, "applied"), (403, "refused"), (409, "refused"), (422, "refused")]
     first = entries[0]
     assert first["request_id"] == "change-42" and first["role"] == "admin"
     assert first["token_source"] == "MY_PKG_ADMIN_TOKEN" and first["token_sha256_prefix"] == _prefix(ADMIN)

@@ -98,7 +98,7 @@ async def test_a_rejected_put_also_drops_the_snapshot(client, engine):
     c, _ = await client(max_age=LONG)
     async with c:
         assert (await c.get(FLASHHEAD)).status_code == 200
-        assert (await c.put(FLASHHEAD, json={"n_probes": 999})).status_code == 422
+        assert (await c.put(FLASHHEAD, json={"n_probes": 999})).status_code == 409
         assert (await c.get(FLASHHEAD)).status_code == 200
     # the first snapshot also told the rejection whether FlashHead is available; the PUT then dropped it
     assert engine.methods == ["my_pkg_status", "my_pkg_flashhead_status", "my_pkg_flashhead_validate", "my_pkg_status"]

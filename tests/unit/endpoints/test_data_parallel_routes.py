@@ -62,7 +62,7 @@ async def test_an_update_lands_on_every_engine(dp_client):
 async def test_an_update_one_engine_rejects_lands_nowhere(dp_client, assert_error):
     c, engine = dp_client
     engine.engines[1].fh[0]["num_clusters"] = 4  # n_probes 7 > 4 clusters on DP rank 1 only
-    err = assert_error(await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 7}), 422, "invalid_update")
+    err = assert_error(await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 7}), 409, "invalid_update")
     assert [(e["dp_rank"], e["rank"]) for e in err["errors"]] == [(1, 0)]
     assert [fh["n_probes"] for e in engine.engines for fh in e.fh] == [4, 4, 4, 4]
     assert all("my_pkg_flashhead_apply" not in e.methods for e in engine.engines)

@@ -98,7 +98,7 @@ async def test_worker_side_rejection_on_one_rank_applies_nothing(
 ):
     engine.fh[1]["num_clusters"] = 6  # rank 0 accepts 8, rank 1 does not
     before = _state(engine)
-    err = assert_error(await app_client.put(URL, json={"n_probes": 8}), 422, "invalid_update")
+    err = assert_error(await app_client.put(URL, json={"n_probes": 8}), 409, "invalid_update")
     assert err["errors"] == [{"dp_rank": 0, "rank": 1, "errors": ["n_probes=8 exceeds num_clusters=6"]}]
     assert err["update"] == {"n_probes": 8}
     assert "nothing was applied" in err["message"]
@@ -115,10 +115,10 @@ async def test_flashhead_unavailable_is_409(app_client, engine, assert_error):
     assert "my_pkg_flashhead_apply" not in engine.methods
 
 
-async def test_rejection_when_status_lookup_fails_is_422(app_client, engine, assert_error):
+async def test_rejection_when_status_lookup_fails_is_409(app_client, engine, assert_error):
     engine.fh[0]["num_clusters"] = 2
     engine.errors["my_pkg_flashhead_status"] = RuntimeError("status broke")
-    assert_error(await app_client.put(URL, json={"n_probes": 4}), 422, "invalid_update")
+    assert_error(await app_client.put(URL, json={"n_probes": 4}), 409, "invalid_update")
     assert "my_pkg_flashhead_apply" not in engine.methods
 
 
