@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import uuid
 from collections import deque
@@ -20,12 +19,13 @@ from typing import Any
 
 from starlette.requests import Request
 
+from my_pkg import env
 from my_pkg.endpoints.config import LOGGER_NAME, STATE_ATTR
 
 audit_logger = logging.getLogger(f"{LOGGER_NAME}.audit")
 
 ENV_AUDIT_SIZE = "MY_PKG_AUDIT_SIZE"
-DEFAULT_AUDIT_SIZE = 256
+DEFAULT_AUDIT_SIZE: int = env.VARIABLES[ENV_AUDIT_SIZE].default
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -56,16 +56,7 @@ def caller(request: Request) -> dict[str, Any]:
 
 
 def _size_from_env() -> int:
-    raw = os.environ.get(ENV_AUDIT_SIZE, "").strip()
-    try:
-        size = int(raw) if raw else DEFAULT_AUDIT_SIZE
-    except ValueError:
-        size = -1
-    if size < 1:
-        audit_logger.warning("Ignoring %s=%r (expected an integer >= 1); using %d",
-                             ENV_AUDIT_SIZE, raw, DEFAULT_AUDIT_SIZE)
-        return DEFAULT_AUDIT_SIZE
-    return size
+    return env.MY_PKG_AUDIT_SIZE
 
 
 class AuditLog:

@@ -28,6 +28,7 @@ from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import Request
 
+from my_pkg import env
 from my_pkg.endpoints.audit import record_refusal
 from my_pkg.endpoints.config import (
     ENV_ADMIN_TOKEN,
@@ -118,11 +119,11 @@ def resolve_tokens(args: Namespace | Any | None = None) -> TokenSet:
     tokens: list[tuple[str, str, str]] = []  # (token, role, source)
     sources: list[str] = []
 
-    for env, role in ((ENV_ADMIN_TOKEN, ADMIN), (ENV_READ_TOKEN, READ)):
-        value = os.environ.get(env, "").strip()
+    for name, role in ((ENV_ADMIN_TOKEN, ADMIN), (ENV_READ_TOKEN, READ)):
+        value = env.read(name)
         if value:
-            tokens.append((value, role, env))
-            sources.append(env)
+            tokens.append((value, role, name))
+            sources.append(name)
 
     # Same precedence as vLLM's own middleware: --api-key wins over the env.
     keys = _api_keys(args)

@@ -1,16 +1,16 @@
 """Environment-driven settings of the endpoint half.
 
-Nothing here imports vLLM: the values are read straight from ``os.environ``
-so that the module stays cheap to import in unit tests.
+Nothing here imports vLLM; my_pkg's own variables are read through the table
+in `my_pkg.env`, so the module stays cheap to import in unit tests.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 from my_pkg import PLUGIN_NAME
+from my_pkg import env
 from my_pkg.env import plugin_disabled
 
 # vLLM configures a handler on the "vllm" logger only (propagate=False), so a
@@ -33,41 +33,24 @@ ENDPOINT_PLUGIN_ENTRY = "my_pkg_admin"
 
 ENV_ADMIN_TOKEN = "MY_PKG_ADMIN_TOKEN"
 ENV_READ_TOKEN = "MY_PKG_READ_TOKEN"
-ENV_RPC_TIMEOUT = "MY_PKG_RPC_TIMEOUT"
 ENV_DISABLE = "MY_PKG_DISABLE"
 ENV_VLLM_API_KEY = "VLLM_API_KEY"
 ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 
-DEFAULT_RPC_TIMEOUT = 10.0
+ENV_RPC_TIMEOUT = "MY_PKG_RPC_TIMEOUT"
+DEFAULT_RPC_TIMEOUT: float = env.VARIABLES[ENV_RPC_TIMEOUT].default
 ENV_STATUS_MAX_AGE = "MY_PKG_STATUS_MAX_AGE"
-DEFAULT_STATUS_MAX_AGE = 1.0
-
-
-def _seconds_from_env(name: str, default: float, *, allow_zero: bool) -> float:
-    """A finite number of seconds from the environment; unset or blank gives `default`,
-    anything invalid (not a number, negative, zero unless allowed, nan, inf) too, with a warning."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        expected = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
-        logger.warning("Ignoring invalid %s=%r (expected %s); using the default of %g s.", name, raw, expected, default)
-        return default
-    return value
+DEFAULT_STATUS_MAX_AGE: float = env.VARIABLES[ENV_STATUS_MAX_AGE].default
 
 
 def rpc_timeout_from_env() -> float:
     """Seconds a route waits for the workers (`MY_PKG_RPC_TIMEOUT`, > 0)."""
-    return _seconds_from_env(ENV_RPC_TIMEOUT, DEFAULT_RPC_TIMEOUT, allow_zero=False)
+    return env.MY_PKG_RPC_TIMEOUT
 
 
 def status_max_age_from_env() -> float:
     """Oldest status snapshot a read may be served from (`MY_PKG_STATUS_MAX_AGE`, >= 0; 0 fetches every time)."""
-    return _seconds_from_env(ENV_STATUS_MAX_AGE, DEFAULT_STATUS_MAX_AGE, allow_zero=True)
+    return env.MY_PKG_STATUS_MAX_AGE
 
 
 def vllm_plugins_allowlist() -> list[str] | None:

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from my_pkg import env
 from my_pkg.contract import UPDATE_FIELDS
-from my_pkg.env import env_flag, env_int
 
-__all__ = ["DEFAULT_FIDELITY_EVERY", "UPDATE_FIELDS", "FlashHeadSettings", "default_settings"]
+__all__ = ["UPDATE_FIELDS", "FlashHeadSettings", "default_settings"]
 
 logger = logging.getLogger(f"vllm.{__name__}")
-
-DEFAULT_FIDELITY_EVERY = 100  # 1% of FlashHead rows also get the dense argmax (live fidelity telemetry)
 
 
 @dataclass
@@ -33,35 +30,28 @@ def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashH
     """Settings at start-up: environment overrides config.json, which overrides defaults."""
     configured_probes = config.get("n_probes")
     fallback_probes = max(1, (num_clusters or 16) // 16)
-    n_probes = env_int("MY_PKG_FLASHHEAD_N_PROBES", None, minimum=1)
+    n_probes = env.MY_PKG_FLASHHEAD_N_PROBES
     if n_probes is None:
         n_probes = int(configured_probes) if isinstance(configured_probes, int) and configured_probes > 0 else fallback_probes
     if num_clusters is not None and n_probes > num_clusters:
         logger.warning("my_pkg: n_probes=%d exceeds %d clusters; using %d", n_probes, num_clusters, num_clusters)
         n_probes = num_clusters
     return FlashHeadSettings(
-        enabled=env_flag("MY_PKG_FLASHHEAD", True),
+        enabled=env.MY_PKG_FLASHHEAD,
         n_probes=n_probes,
-        dense_batch_threshold=env_int("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", None, minimum=0),
-        probe_sampling=env_flag("MY_PKG_FLASHHEAD_PROBE_SAMPLING", True),
+        dense_batch_threshold=env.MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD,
+        probe_sampling=env.MY_PKG_FLASHHEAD_PROBE_SAMPLING,
         sampled_n_probes=_sampled_probes_from_env(num_clusters),
-        sampled_rank=env_int("MY_PKG_FLASHHEAD_SAMPLED_RANK", None, minimum=0),
-        backend=_backend_from_env(),
-        fidelity_every=env_int("MY_PKG_FLASHHEAD_FIDELITY_EVERY", DEFAULT_FIDELITY_EVERY, minimum=0),
+        sampled_rank=env.MY_PKG_FLASHHEAD_SAMPLED_RANK,
+        backend=env.MY_PKG_FLASHHEAD_BACKEND,
+        fidelity_every=env.MY_PKG_FLASHHEAD_FIDELITY_EVERY,
     )
 
 
 def _sampled_probes_from_env(num_clusters: int | None) -> int | None:
-    value = env_int("MY_PKG_FLASHHEAD_SAMPLED_N_PROBES", None, minimum=1)
+    value = env.MY_PKG_FLASHHEAD_SAMPLED_N_PROBES
     if value is not None and num_clusters is not None and value > num_clusters:
         logger.warning("my_pkg: sampled_n_probes=%d exceeds %d clusters; using %d", value, num_clusters, num_clusters)
         value = num_clusters
     return value
 
-
-def _backend_from_env() -> str:
-    backend = os.environ.get("MY_PKG_FLASHHEAD_BACKEND", "auto").strip().lower() or "auto"
-    if backend not in ("auto", "torch", "triton"):
-        logger.warning("my_pkg: ignoring MY_PKG_FLASHHEAD_BACKEND=%r; using auto", backend)
-        return "auto"
-    return backend

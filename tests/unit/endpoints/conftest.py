@@ -189,7 +189,7 @@ def plugin_log():
     """Records of the plugin's logger (attached directly: vLLM's logging
     config stops "vllm.*" records from reaching the root logger)."""
     collector = LogCollector()
-    log = logging.getLogger(LOGGER_NAME)
+    log = logging.getLogger("vllm.my_pkg")  # the endpoint half's loggers and the env table's
     old_level = log.level
     log.addHandler(collector)
     log.setLevel(logging.DEBUG)
