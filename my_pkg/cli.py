@@ -227,7 +227,7 @@ def _dtype_name(dtype) -> str:
 def _eval(args) -> int:
     import json
 
-    from .engine.flashhead_settings import default_settings
+    from .flashhead.settings import default_settings
     from .flashhead import FlashHead
     from .flashhead.assets import load_assets, load_lm_head, read_config, stop_and_special_token_ids
     from .flashhead.evaluate import (capture_hidden_states, dense_agreement, evaluate, format_fidelity_table,

@@ -6,12 +6,10 @@ model, and the unit tests' fake engine builds its replies from them too, so the 
 This module imports pydantic only (no vLLM, no torch): both halves and the tests can import it anywhere.
 
 Extra keys: replies keep keys the models do not declare (`extra="allow"`) and pass them through to the
-admin API untyped. A worker's FlashHead status dict is produced by the controller
-(`my_pkg.engine.flashhead_control`), whose keys are its own contract; a key the controller adds later
-must neither make the worker's method raise nor make the endpoint half answer 503, so unknown keys are
-kept rather than refused (`forbid`) or silently dropped (`ignore`). A declared field with the wrong type
-is refused on both sides. `tests/unit/engine/test_rpc.py` fails when the controller's status has a key
-the contract does not declare, so a new key gets typed here in the same change.
+admin API untyped, so that a newer worker's key neither makes the worker's method raise nor makes the
+endpoint half answer 503. A declared field with the wrong type is refused on both sides. The FlashHead
+controller (`my_pkg.engine.flashhead.controller`) builds its status as `FlashHeadState` itself, setting
+every field (a test fails on a field left to its default).
 
 The update body is the opposite: `extra="forbid"` and strict types, because it comes from a client.
 `FlashHeadUpdate` is the one place where its fields are validated: the API validates the body with it
@@ -21,7 +19,8 @@ and each worker validates the update it receives with it again before the model-
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final
+from enum import IntEnum
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -126,12 +125,94 @@ class WorkerConfig(RankedReply):
     config: dict[str, Any] | None = Field(description="The section as JSON data; null when the worker has none.")
 
 
+# ---- FlashHead: why it is not active, and why a row is served dense -----------------------------------
+
+#: `FlashHeadState.reason_code`: why FlashHead is not active on a worker (null when it is).
+ReasonCode = Literal[
+    "disabled", "not_built", "no_assets", "assets_invalid", "assets_mismatch", "build_failed", "quantized_head",
+    "warm_up_failed", "pipeline_parallel", "speculative_decoding", "lora", "head_dtype", "runner_hook_failed",
+    "logits_processor_taken",
+]
+#: One line per `ReasonCode`, in its order (docs/flashhead-serving.md's table is generated from it).
+REASON_CODES: Final[dict[str, str]] = {
+    "disabled": "turned off (`MY_PKG_FLASHHEAD=0` or `PUT enabled=false`)",
+    "not_built": "the head is not built yet (it is built right after vLLM loads the weights)",
+    "no_assets": "the model has no FlashHead assets (no `flash_head_cache_dir` in config.json)",
+    "assets_invalid": "the assets could not be read",
+    "assets_mismatch": "the assets do not match the model's vocabulary",
+    "build_failed": "the head could not be built over the LM head vLLM loaded",
+    "quantized_head": "the LM head is quantized",
+    "warm_up_failed": "the head failed its warm-up step",
+    "pipeline_parallel": "pipeline parallel size > 1",
+    "speculative_decoding": "speculative decoding is on (draft and verify rows need dense logits)",
+    "lora": "LoRA is on (adapters change the logits)",
+    "head_dtype": "`head_dtype` differs from the model's dtype",
+    "runner_hook_failed": "vLLM's model runner could not be hooked (a vLLM internal moved)",
+    "logits_processor_taken": "another plugin replaced vLLM's `LogitsProcessor` first",
+}
+
+
+class DenseReason(IntEnum):
+    """Why a request's rows are served by the dense head. The value is the row's code in the engine's step
+    rows (0, no member, means FlashHead may serve it); `label` is its key in `FlashHeadCounters.rows_dense`."""
+
+    LOGPROBS = 1
+    STRUCTURED_OUTPUT = 2
+    LOGIT_BIAS = 3
+    ALLOWED_TOKEN_IDS = 4
+    BAD_WORDS = 5
+    CUSTOM_LOGITS_PROCESSORS = 6
+    UNCLASSIFIED = 7
+    THINKING_BUDGET = 8
+    WATERMARK = 9
+    OPT_OUT = 10
+    PENALIZED_GREEDY = 11
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+#: Why a whole step (or a wrapper's call) is served dense, whatever its requests asked for.
+StepDenseReason = Literal["batch_threshold", "disabled", "unavailable", "error", "unexpected_rows", "lora",
+                          "wrapped_head"]
+#: Every key of `FlashHeadCounters.rows_dense`: the requests' `DenseReason` labels, then the steps'.
+DenseRowReason = Literal[
+    "logprobs", "structured_output", "logit_bias", "allowed_token_ids", "bad_words", "custom_logits_processors",
+    "unclassified", "thinking_budget", "watermark", "opt_out", "penalized_greedy",
+    "batch_threshold", "disabled", "unavailable", "error", "unexpected_rows", "lora", "wrapped_head",
+]
+#: One line per `DenseRowReason`, in its order (docs/flashhead-serving.md's table is generated from it).
+DENSE_ROW_REASONS: Final[dict[str, str]] = {
+    "logprobs": "the request asked for `logprobs` or `logprob_token_ids`",
+    "structured_output": "structured output (JSON schema, regex, grammar)",
+    "logit_bias": "the request set `logit_bias`",
+    "allowed_token_ids": "the request set `allowed_token_ids`",
+    "bad_words": "the request set `bad_words`",
+    "custom_logits_processors": "custom logits processors are configured on the server (every row)",
+    "unclassified": "a request field this plugin does not know is set, or the request could not be classified",
+    "thinking_budget": "the request set `thinking_token_budget`",
+    "watermark": "the request asked for watermarking",
+    "opt_out": "the request opted out (`\"vllm_xargs\": {\"flashhead\": false}`)",
+    "penalized_greedy": "a greedy request with a repetition, frequency or presence penalty",
+    "batch_threshold": "the step had more rows than `dense_batch_threshold`",
+    "disabled": "FlashHead is turned off",
+    "unavailable": "FlashHead is not available on this model (see `reason_code`)",
+    "error": "FlashHead raised during the step; the dense head answered",
+    "unexpected_rows": "the logits call had another number of rows than the step announced",
+    "lora": "vLLM's LoRA wrapper received the step",
+    "wrapped_head": "another layer wrapping the logits processor received the step",
+}
+
+
 class FlashHeadCounters(WorkerReply):
     """Counters since the worker started; they only grow."""
 
     steps: int = 0
     rows_flashhead: int = 0
-    rows_dense: dict[str, int] = Field(default_factory=dict, description="Rows served dense, by reason.")
+    rows_dense: dict[str, int] = Field(
+        default_factory=dict, description="Rows served dense, by reason (a `DenseRowReason`, see `DENSE_ROW_REASONS`)."
+    )
     fallbacks: int = 0
     head_seconds: float = 0.0
     fidelity_rows: int = 0
@@ -144,7 +225,7 @@ class FlashHeadState(WorkerReply):
     available: bool
     active: bool
     reason: str | None = None
-    reason_code: str | None = None
+    reason_code: ReasonCode | None = None
     enabled: bool
     num_clusters: int | None = None
     cluster_size: int | None = None
@@ -258,6 +339,7 @@ def update_errors(update: Any) -> list[str]:
 
 
 __all__ = [
+    "DENSE_ROW_REASONS", "REASON_CODES", "DenseReason", "DenseRowReason", "ReasonCode", "StepDenseReason",
     "CONFIG", "CONFIG_SECTIONS", "FLASHHEAD_APPLY", "FLASHHEAD_STATUS", "FLASHHEAD_VALIDATE", "PING",
     "RPC_PREFIX", "STATUS", "UPDATE_FIELDS", "WORKER_INFO", "WORKER_METHOD_NAMES",
     "FlashHeadCounters", "FlashHeadState", "FlashHeadStatus", "FlashHeadUpdate", "KVCacheInfo", "MemoryInfo",

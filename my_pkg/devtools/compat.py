@@ -66,8 +66,9 @@ def _symbols() -> tuple[VllmSymbol, ...]:
     batch = "vllm.v1.worker.gpu_input_batch"
     logits, registry = "vllm.model_executor.layers.logits_processor", "vllm.model_executor.models.registry"
     rpc, lp, mr = "engine/rpc.py", "engine/patches/logits_processor.py", "engine/patches/model_runner.py"
-    reg, control, rows = "engine/patches/model_registry.py", "engine/flashhead_control.py", "engine/request_rows.py"
+    reg, hooks, rows = "engine/patches/model_registry.py", "engine/patches/runner_hooks.py", "engine/flashhead/rows.py"
     gpu, mr2 = "vllm.v1.worker.gpu", "engine/patches/model_runner_v2.py"
+    vocab = "vllm.model_executor.layers.vocab_parallel_embedding"
     v2 = f"{gpu}.model_runner"
     s = VllmSymbol
     return (
@@ -97,11 +98,9 @@ def _symbols() -> tuple[VllmSymbol, ...]:
         # patches/logits_processor.py: the out-of-tree LogitsProcessor and the configuration it reads.
         s("vllm.config", "get_current_vllm_config", "function", lp),
         *(s("vllm.config", f"VllmConfig.{name}", "attribute", lp) for name in (
-            "model_config", "parallel_config", "device_config", "speculative_config", "lora_config",
-            "use_v2_model_runner")),
-        s("vllm.config", "ParallelConfig.tensor_parallel_size", "attribute", lp),
+            "model_config", "parallel_config", "speculative_config", "lora_config")),
+        s("vllm.config", "VllmConfig.use_v2_model_runner", "attribute", "engine/patches/__init__.py"),
         s("vllm.config", "ParallelConfig.pipeline_parallel_size", "attribute", lp),
-        s("vllm.config", "DeviceConfig.device_type", "attribute", lp),
         s("vllm.model_executor.custom_op", "op_registry_oot", "attribute", lp),
         s(logits, "LogitsProcessor", "class", lp),
         s(logits, "LogitsProcessor.forward", "method", lp,
@@ -119,7 +118,7 @@ def _symbols() -> tuple[VllmSymbol, ...]:
         s(batch, "InputBatch.add_request", "method", mr, params=("self", "request")),
         s(batch, "InputBatch.remove_request", "method", mr, params=("self", "req_id")),
         *(s(batch, f"InputBatch.{name}", "attribute", mr) for name in (
-            "num_reqs", "req_id_to_index", "temperature_cpu", "generators", "logitsprocs")),
+            "num_reqs", "req_id_to_index", "temperature_cpu", "logitsprocs")),
         s(batch, "CachedRequestState.req_id", "attribute", mr),
         s(batch, "CachedRequestState.sampling_params", "attribute", mr),
         s("vllm.v1.sample.logits_processor.state", "LogitsProcessors.all", "attribute", mr),
@@ -127,13 +126,20 @@ def _symbols() -> tuple[VllmSymbol, ...]:
             "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")),
         s(runner, "GPUModelRunner", "class", mr),
         s(runner, "GPUModelRunner.execute_model", "method", mr, params=("self",)),
-        s(runner, "GPUModelRunner.get_model", "method", control, params=("self",)),
+        s(runner, "GPUModelRunner.get_model", "method", hooks, params=("self",)),
+        s(runner, "GPUModelRunner.load_model", "method", f"{mr}, {hooks}", params=("self",)),
         s(runner, "GPUModelRunner.input_batch", "attribute", mr),
-        s(runner, "GPUModelRunner.model", "attribute", control),
+        s(runner, "GPUModelRunner.model", "attribute", hooks),
         s("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "class", mr, subclass_of=f"{runner}:GPUModelRunner"),
+        s("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", "method", mr, params=("self",)),
+        # patches/runner_hooks.py: the head built right after the weights load, over the model's LM head.
+        s(vocab, "VocabParallelEmbedding", "class", hooks),
+        s(vocab, "ParallelLMHead", "class", hooks, subclass_of=f"{vocab}:VocabParallelEmbedding"),
         # patches/model_runner_v2.py: Model Runner V2's sampling step, sampler slots and input batch.
         s(v2, "GPUModelRunner", "class", mr2),
         s(v2, "GPUModelRunner.sample", "method", mr2, params=("self", "hidden_states", "input_batch")),
+        s(v2, "GPUModelRunner.load_model", "method", mr2, params=("self",)),
+        s(v2, "GPUModelRunner.get_model", "method", hooks, params=("self",)),
         s(v2, "GPUModelRunner.sampler", "attribute", mr2),
         s(v2, "GPUModelRunner.batch_sharder", "attribute", mr2),
         s(f"{gpu}.sample.sampler", "Sampler", "class", mr2),
@@ -148,10 +154,14 @@ def _symbols() -> tuple[VllmSymbol, ...]:
         s(f"{gpu}.sample.logit_bias", "LogitBiasState", "class", mr2),
         s(f"{gpu}.sample.penalties", "PenaltiesState", "class", mr2),
         s(f"{gpu}.sample.bad_words", "BadWordsState", "class", mr2),
-        # request_rows.py: request fields that decide dense vs FlashHead (DENSE_REQUEST_FIELDS and more).
+        # flashhead/rows.py: request fields that decide dense vs FlashHead (DENSE_REQUEST_FIELDS and more),
+        # and the ids vLLM stops a request on.
         *(s("vllm.sampling_params", f"SamplingParams.{name}", "attribute", rows) for name in (
             "logprobs", "logprob_token_ids", "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words",
-            "thinking_token_budget", "watermarking", "extra_args", "stop_token_ids")),
+            "thinking_token_budget", "watermarking", "extra_args", "stop_token_ids", "all_stop_token_ids",
+            "temperature", "presence_penalty", "frequency_penalty", "repetition_penalty")),
+        # patches/logits_processor.py: the EOS and special ids of the tokenizer vLLM loads.
+        s("vllm.tokenizers.registry", "cached_tokenizer_from_config", "function", lp, params=("model_config",)),
     )
 
 

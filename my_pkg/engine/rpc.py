@@ -138,27 +138,25 @@ def my_pkg_config(self: Any, section: str) -> dict[str, Any]:
 
 
 def _controller(worker: Any):
-    from my_pkg.engine.flashhead_control import find_controller
+    from my_pkg.engine.patches.runner_hooks import find_controller
 
     return find_controller(worker)
 
 
 def _no_controller_reason() -> tuple[str, str]:
     """Why this worker has no FlashHead controller: `(code, message)`."""
-    from my_pkg.engine.flashhead_control import NO_ASSETS_REASON
-    from my_pkg.engine.patches.logits_processor import slot_taken_reason
+    from my_pkg.engine.patches import no_controller_status
 
-    taken = slot_taken_reason()
-    return ("logits_processor_taken", taken) if taken else ("no_assets", NO_ASSETS_REASON)
+    status = no_controller_status()
+    return status.reason_code, status.reason
 
 
 def _flashhead_state(worker: Any) -> FlashHeadState:
-    """The controller's `status()` dict (its keys are its contract), checked against ours."""
-    from my_pkg.engine.flashhead_control import status_without_controller
+    """The controller's `status()` (a `FlashHeadState`), or why this worker has none."""
+    from my_pkg.engine.patches import no_controller_status
 
     controller = _controller(worker)
-    status = controller.status() if controller is not None else status_without_controller(*_no_controller_reason())
-    return FlashHeadState.model_validate(status)
+    return controller.status() if controller is not None else no_controller_status()
 
 
 def my_pkg_status(self: Any) -> dict[str, Any]:
@@ -181,7 +179,7 @@ def _update_errors(worker: Any, update: Any) -> list[str]:
     controller = _controller(worker)
     if controller is None:
         return [_no_controller_reason()[1]]
-    return controller.validate(FlashHeadUpdate.model_validate(update).to_update())
+    return controller.validate(FlashHeadUpdate.model_validate(update))
 
 
 def my_pkg_flashhead_validate(self: Any, update: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +195,7 @@ def my_pkg_flashhead_apply(self: Any, update: dict[str, Any]) -> dict[str, Any]:
     errors = _update_errors(self, update)
     if errors:
         raise ValueError("; ".join(errors))
-    controller.apply(FlashHeadUpdate.model_validate(update).to_update())
+    controller.apply(FlashHeadUpdate.model_validate(update))
     return my_pkg_flashhead_status(self)
 
 

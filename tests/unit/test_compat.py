@@ -76,10 +76,30 @@ def test_every_attribute_read_on_an_imported_vllm_name_is_in_the_table():
 
 
 def test_request_fields_that_decide_dense_rows_are_in_the_table():
-    from my_pkg.engine.request_rows import DENSE_REQUEST_FIELDS
+    from my_pkg.engine.flashhead.rows import DENSE_REQUEST_FIELDS
 
     fields = {q.split(".", 1)[1] for m, q in TABLE if m == "vllm.sampling_params" and q.startswith("SamplingParams.")}
     assert set(DENSE_REQUEST_FIELDS) <= fields, set(DENSE_REQUEST_FIELDS) - fields
+
+
+def test_every_table_entry_is_used_by_the_files_it_names():
+    """An entry is read somewhere: its last name appears as a word in one of its `used_by` files
+    (a module entry: its dotted name). Fails on entries left behind when the engine moves on."""
+    import re
+
+    from my_pkg.contract import CONFIG_SECTIONS
+
+    read_by_section = {f"{section}_config" for section in CONFIG_SECTIONS}  # getattr(worker, f"{section}_config")
+    unused = []
+    for symbol in ENGINE_SYMBOLS:
+        word = symbol.qualname.rsplit(".", 1)[-1] if symbol.qualname else symbol.module
+        if symbol.qualname.startswith("WorkerBase.") and word in read_by_section:
+            continue
+        texts = [(ROOT / "my_pkg" / path.strip()).read_text() for path in symbol.used_by.split(",")]
+        if not any(re.search(rf"(?<![\w.]){re.escape(word)}(?!\w)|\.{re.escape(word)}\b|['\"]{re.escape(word)}['\"]",
+                             text) for text in texts):
+            unused.append(symbol.name)
+    assert unused == []
 
 
 def test_table_entries_are_well_formed_and_unique():

@@ -1,17 +1,91 @@
 """Everything this plugin changes inside vLLM, one module per vLLM component.
 
-Each module has `apply() -> None`, which resolves every vLLM symbol it needs
-before changing anything (so a moved internal leaves vLLM as it was and
-raises), and is idempotent.
+Each module has `TARGET` (what it changes) and `apply() -> None`, which resolves every vLLM
+symbol it needs before changing anything (so a moved internal leaves vLLM as it was and
+raises), and is idempotent. Two moments install them:
 
-- `worker`: adds the `my_pkg_*` methods (see `my_pkg.engine.rpc`) to vLLM's `WorkerBase`.
-- `model_registry`: registers the `FlashHead*` architectures, each mapped to vLLM's own class
-  (`flashhead_model_entry`); resolving one applies `logits_processor`.
-- `logits_processor`: (only once a FlashHead architecture is resolved) registers an
-  out-of-tree `LogitsProcessor` that serves FlashHead models' decode steps through
-  FlashHead; it is correct whatever `self` it is called with (vLLM's LoRA wrapper).
-- `model_runner`: (only once a FlashHead model is built) tells the logits processor which
-  call is the decode step of the V1 GPU/CPU model runner and what each row asked for.
-- `model_runner_v2`: the same for vLLM's Model Runner V2 (the CUDA default), applied instead
-  of `model_runner` when `VllmConfig.use_v2_model_runner` is true.
+1. `my_pkg.engine.register()`, in every vLLM process: `PATCHES`.
+   - `worker`: adds the `my_pkg_*` methods (`my_pkg.engine.rpc`) to vLLM's `WorkerBase`.
+   - `model_registry`: registers the `FlashHead*` architectures, each mapped to vLLM's own
+     class (`flashhead_model_entry`).
+2. `on_flashhead_model()`, called by that registry entry when vLLM resolves a `FlashHead*`
+   architecture, right before it builds the model: `FLASHHEAD_HOOKS`.
+   - `logits_processor`: an out-of-tree `LogitsProcessor` that serves the decode steps through
+     FlashHead; correct whatever `self` it is called with (vLLM's LoRA wrapper).
+   - `model_runner`: which logits call is the decode step of the V1 GPU/CPU model runner, what
+     each row asked for, and the head built right after the weights load.
+   - `model_runner_v2`: the same for Model Runner V2 (the CUDA default).
+   `runner_hooks` holds what the two runner hooks share and the lookups of a runner's or a
+   worker's controller.
 """
+
+from __future__ import annotations
+
+import logging
+from importlib import import_module
+from typing import Any
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+#: Applied by `my_pkg.engine.register()` in every process.
+PATCHES = ("worker", "model_registry")
+#: Installed by `on_flashhead_model()`, once a FlashHead model is about to be built.
+FLASHHEAD_HOOKS = ("logits_processor", "model_runner", "model_runner_v2")
+
+_NOT_TRIED = "not installed (no FlashHead architecture was resolved in this process)"
+_hook_errors: dict[str, str | None] = {}
+_warned: set[str] = set()
+
+
+def on_flashhead_model() -> None:
+    """Install every FlashHead hook; never raises.
+
+    A hook that cannot be installed is recorded: the logits processor's failure (another plugin
+    holds the slot) is logged once and answers the status route (`logits_processor_taken`); a
+    runner hook's failure makes the controller unavailable only when vLLM runs that runner
+    (`runner_hook_failed`, see `runner_hook_failure`).
+    """
+    for name in FLASHHEAD_HOOKS:
+        try:
+            import_module(f"{__name__}.{name}").apply()
+            _hook_errors[name] = None
+        except Exception as exc:  # noqa: BLE001 - a moved vLLM internal must not break vLLM
+            _hook_errors[name] = str(exc) or type(exc).__name__
+            if name == "logits_processor" and _hook_errors[name] not in _warned:
+                _warned.add(_hook_errors[name])
+                logger.warning("my_pkg: FlashHead cannot hook vLLM's logits: %s; dense head in use", exc)
+            else:
+                logger.debug("my_pkg: %s not hooked: %s", name, exc)
+
+
+def hook_error(name: str) -> str | None:
+    """Why the FlashHead hook `name` is not installed in this process; None when it is."""
+    return _hook_errors.get(name, _NOT_TRIED)
+
+
+def runner_hook_failure(vllm_config: Any) -> tuple[str, str] | None:
+    """`("runner_hook_failed", message)` when the hook of the model runner vLLM uses is not installed."""
+    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    error = hook_error("model_runner_v2" if v2 else "model_runner")
+    if error is None:
+        return None
+    runner = "Model Runner V2" if v2 else "model runner"
+    return "runner_hook_failed", f"vLLM's {runner} could not be hooked ({error}); dense head in use"
+
+
+def find_controller(worker: Any) -> Any:
+    """The FlashHead controller of the model `worker` runs, if any (`runner_hooks.find_controller`)."""
+    from my_pkg.engine.patches.runner_hooks import find_controller as find
+
+    return find(worker)
+
+
+def no_controller_status() -> Any:
+    """The `FlashHeadState` of a worker whose model has no controller, with the reason."""
+    from my_pkg.engine.flashhead.controller import status_without_controller
+
+    error = _hook_errors.get("logits_processor")
+    if error is not None:
+        return status_without_controller(
+            "logits_processor_taken", f"FlashHead cannot hook vLLM's logits: {error}; dense head in use")
+    return status_without_controller()

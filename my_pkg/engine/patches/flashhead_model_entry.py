@@ -1,8 +1,8 @@
 """The `ModelRegistry` entry of a `FlashHead*` architecture (imported by `model_registry.apply`).
 
-It loads vLLM's own class for the base architecture, after registering the
-FlashHead logits processor: vLLM resolves the architecture right before it
-builds the model, once every general plugin has loaded. The class lives at
+It loads vLLM's own class for the base architecture, after installing every
+FlashHead hook (`patches.on_flashhead_model`): vLLM resolves the architecture
+right before it builds the model, once every general plugin has loaded. The class lives at
 module level so that vLLM's model-inspection subprocess can unpickle it.
 """
 
@@ -17,7 +17,7 @@ from vllm.model_executor.models.registry import _LazyRegisteredModel
 @dataclass(frozen=True)
 class FlashHeadRegisteredModel(_LazyRegisteredModel):
     def load_model_cls(self) -> type[nn.Module]:
-        from my_pkg.engine.patches import logits_processor
+        from my_pkg.engine.patches import on_flashhead_model
 
-        logits_processor.ensure_applied()
+        on_flashhead_model()
         return super().load_model_cls()

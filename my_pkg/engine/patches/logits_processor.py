@@ -3,13 +3,17 @@
 Uses vLLM's official replacement point: `LogitsProcessor` is a
 `PluggableLayer`, and `register_oot` makes every later `LogitsProcessor(...)`
 build our subclass. The registration is deferred until a FlashHead
-architecture is resolved (`patches/model_registry.py`), that is after every
+architecture is resolved (`patches.on_flashhead_model`), that is after every
 general plugin has loaded and right before the model is built, so that:
 
 - a process that never builds a FlashHead model keeps vLLM's class untouched;
 - another plugin that also replaces `LogitsProcessor` keeps its slot (vLLM
   asserts on a second registration and does not catch it): FlashHead then stays
   off with the reason in the status route, and the server runs as that plugin wants.
+
+The subclass's constructor makes the model's `FlashHeadController` (reading its
+assets and the tokenizer's stop and special ids); the runner hooks build its head
+right after the weights load (`build_head`), or the first logits call does.
 
 Under tensor parallelism each rank's head covers its vocabulary shard
 (`_sharded_step`): FlashHead scores the candidates in that shard and vLLM's own
@@ -31,7 +35,6 @@ logger = logging.getLogger(f"vllm.{__name__}")
 TARGET = "vllm.model_executor.layers.logits_processor.LogitsProcessor"
 CONTROLLER_ATTR = "_my_pkg_flashhead"
 _subclass: type | None = None
-_slot_taken_reason: str | None = None
 
 
 def _resolve_model_dir(model_config: Any) -> str | None:
@@ -79,32 +82,43 @@ def _make_controller(org_vocab_size: int) -> Any:
     if not config.get("flash_head_cache_dir"):
         return None
 
-    from my_pkg.engine.flashhead_control import FlashHeadController
+    from my_pkg.engine.flashhead.controller import FlashHeadController
+    from my_pkg.engine.patches import runner_hook_failure
 
-    unsupported = _unsupported_reason(vllm_config)
-    if unsupported is None:
-        runner = "model runner"
-        try:  # hook the runner vLLM will use: Model Runner V2 (the CUDA default) or V1
-            if getattr(vllm_config, "use_v2_model_runner", False):
-                runner = "Model Runner V2"
-                from my_pkg.engine.patches import model_runner_v2 as runner_hook
-            else:
-                from my_pkg.engine.patches import model_runner as runner_hook
-            runner_hook.apply()
-        except Exception as exc:  # noqa: BLE001 - vLLM internals moved: stay dense
-            unsupported = ("runner_hook_failed", f"vLLM's {runner} could not be hooked ({exc}); dense head in use")
-    code, reason = unsupported if unsupported is not None else (None, None)
+    unsupported = _unsupported_reason(vllm_config) or runner_hook_failure(vllm_config)
     return FlashHeadController.from_model_dir(
         _resolve_model_dir(model_config),
         config,
         vocab_size=org_vocab_size,
-        unavailable_reason=reason,
-        unavailable_code=code,
+        unavailable=unsupported,
+        pinned_ids=tokenizer_stop_and_special_ids(model_config) if unsupported is None else (),
     )
 
 
-def _build_head(controller: Any, lm_head: Any, hidden_states: Any) -> None:
-    """Build the controller's head over `lm_head` (its vocabulary shard under tensor parallelism) and warm it up."""
+def tokenizer_stop_and_special_ids(model_config: Any) -> list[int]:
+    """The EOS and special token ids of the tokenizer vLLM loads for this model (`--tokenizer` may name
+    another directory than the model's; its EOS may be an added token that is not special). Empty when
+    vLLM loads no tokenizer or it cannot be read: the model directory's ids are pinned anyway."""
+    try:
+        from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+        tokenizer = cached_tokenizer_from_config(model_config)
+        if tokenizer is None:
+            return []
+        ids = {getattr(tokenizer, "eos_token_id", None)}
+        ids.update(getattr(tokenizer, "all_special_ids", None) or ())
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        ids.update(int(i) for i, token in added.items() if getattr(token, "special", False))
+        return sorted(int(i) for i in ids if isinstance(i, int) and i >= 0)
+    except Exception as exc:  # noqa: BLE001 - the model directory's ids are still pinned
+        logger.info("my_pkg: FlashHead pins no tokenizer ids (%s: %s)", type(exc).__name__, exc)
+        return []
+
+
+def build_head(controller: Any, lm_head: Any) -> None:
+    """Build the controller's head over `lm_head` (its vocabulary shard under tensor parallelism) and warm
+    it up; called right after the weights load (`runner_hooks.prepare_after_load`) or at the first logits
+    call. Never raises."""
     if not _is_plain_weight(lm_head):
         controller.make_unavailable(
             "quantized_head", f"the LM head is quantized ({type(lm_head.quant_method).__name__}); dense head in use"
@@ -114,8 +128,7 @@ def _build_head(controller: Any, lm_head: Any, hidden_states: Any) -> None:
     if getattr(lm_head, "tp_size", 1) > 1:
         shard = lm_head.shard_indices
         vocab_range = (int(shard.org_vocab_start_index), int(shard.org_vocab_end_index))
-    controller.bind(lm_head.weight, vocab_range=vocab_range)
-    controller.warm_up(hidden_states)
+    controller.prepare(lm_head.weight, vocab_range=vocab_range)
 
 
 def _is_plain_weight(lm_head: Any) -> bool:
@@ -180,9 +193,11 @@ def subclass() -> type:
                 return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
             try:
                 if controller.head is None and controller.available:
-                    # The first logits call is vLLM's warm-up / memory profile: the head's memory is
-                    # then counted before the KV cache is sized, and its kernels are ready for request one.
-                    _build_head(controller, lm_head, hidden_states)
+                    build_head(controller, lm_head)  # the runner's load hook did not (see runner_hooks)
+                elif controller.head is not None and controller.head.weight is not lm_head.weight:
+                    controller.head = None
+                    controller.make_unavailable(
+                        "build_failed", "the LM head's weight changed after FlashHead was built; dense head in use")
                 rows = controller.take_step()
             except Exception as exc:  # noqa: BLE001 - FlashHead must never take the engine down
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
@@ -240,19 +255,3 @@ def apply() -> None:
     if current is not None:
         raise RuntimeError(f"LogitsProcessor is already replaced by {current.__module__}.{current.__qualname__}")
     LogitsProcessor.register_oot(ours)
-
-
-def ensure_applied() -> None:
-    """`apply()` for the model about to be built; never raises, warns once."""
-    global _slot_taken_reason
-    try:
-        apply()
-    except Exception as exc:  # noqa: BLE001 - another plugin's choice wins; FlashHead stays off
-        if _slot_taken_reason is None:
-            _slot_taken_reason = f"FlashHead cannot hook vLLM's logits: {exc}; dense head in use"
-            logger.warning("my_pkg: %s", _slot_taken_reason)
-
-
-def slot_taken_reason() -> str | None:
-    """Why the FlashHead logits processor could not be registered in this process, if it could not."""
-    return _slot_taken_reason

@@ -1,29 +1,36 @@
-"""Tell the FlashHead logits processor which logits call is a decode step, and what its rows want.
+"""Tell the FlashHead logits processor which logits call is a decode step, and what its rows want (V1).
 
-Applied only when a FlashHead model is built. Hooks vLLM's V1 model runner
+Installed with every FlashHead hook (`patches.on_flashhead_model`). Hooks vLLM's V1 model runner
 (`GPUModelRunner`, which the CPU runner subclasses) and its `InputBatch`:
 
-- `InputBatch.add_request` / `remove_request` keep, per request that needs exact
-  dense logits (logprobs, grammar, logit bias, ...), the reason, and per request
-  with `stop_token_ids` of its own, those ids (scored exactly on every row);
-  other requests are not tracked, so a step costs nothing per plain request.
-- `GPUModelRunner.execute_model` arms the controller for its one
-  `compute_logits` call over the batch's rows; any other logits call (warm-up,
-  prompt logprobs in `sample_tokens`, a drafter) finds it disarmed and stays dense.
+- `InputBatch.add_request` / `remove_request` keep, per request that needs exact dense logits
+  (logprobs, grammar, logit bias, ...), the reason, and per request the ids vLLM stops it on
+  (`all_stop_token_ids`: the tokenizer's EOS included), scored exactly on every row.
+- `GPUModelRunner.execute_model` arms the controller for its one `compute_logits` call over the
+  batch's rows; any other logits call (warm-up, prompt logprobs in `sample_tokens`, a drafter)
+  finds it disarmed and stays dense.
+- `load_model` (`GPUModelRunner`'s and `CPUModelRunner`'s own) builds the head right after the
+  weights load (`runner_hooks.prepare_after_load`).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import numpy as np
 
-from my_pkg.engine.flashhead_control import controller_of_runner
-from my_pkg.engine.request_rows import DenseReason, StepRows, request_dense_reason
-
-logger = logging.getLogger(f"vllm.{__name__}")
+from my_pkg.engine.flashhead.rows import DenseReason, StepRows
+from my_pkg.engine.patches.runner_hooks import (
+    WRAPPED,
+    classify,
+    controller_of_runner,
+    hook_load_model,
+    require,
+    run_armed,
+    union_stop_ids,
+    warn_once,
+)
 
 TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner, vllm.v1.worker.gpu_input_batch.InputBatch"
 _DENSE_TABLE = "_my_pkg_dense_requests"
@@ -39,39 +46,31 @@ def _has_custom_logits_processors(input_batch: Any) -> bool:
 def step_rows(input_batch: Any) -> StepRows:
     """What each row of the current batch needs, from the V1 `InputBatch`."""
     num_rows = input_batch.num_reqs
+    index_of = input_batch.req_id_to_index
     codes = np.zeros(num_rows, dtype=np.uint8)
     if _has_custom_logits_processors(input_batch):
         codes[:] = DenseReason.CUSTOM_LOGITS_PROCESSORS
     else:
         table: dict[str, int] = input_batch.__dict__.get(_DENSE_TABLE) or {}
-        index_of = input_batch.req_id_to_index
         for req_id, code in table.items():  # only the requests that need dense rows
             row = index_of.get(req_id)
             if row is not None and row < num_rows:
                 codes[row] = code
-    stop_ids: set[int] = set()
     stops: dict[str, tuple[int, ...]] = input_batch.__dict__.get(_STOP_TABLE) or {}
-    for req_id, ids in stops.items():  # only the requests with stop_token_ids of their own
-        row = input_batch.req_id_to_index.get(req_id)
-        if row is not None and row < num_rows:
-            stop_ids.update(ids)
+    in_step = (ids for req_id, ids in stops.items() if (row := index_of.get(req_id)) is not None and row < num_rows)
     # Seeded rows are sampled rows too: FlashHead's logits draw nothing at random, so the seed reproduces.
     sampled = np.asarray(input_batch.temperature_cpu[:num_rows]) > 0.0
-    return StepRows(dense_codes=codes, sampled=sampled, stop_ids=tuple(sorted(stop_ids)))
+    return StepRows(dense_codes=codes, sampled=sampled, stop_ids=union_stop_ids(in_step))
 
 
 def _track(input_batch: Any, request: Any) -> None:
-    """Record why `request` needs dense rows, if it does (unclassifiable: dense)."""
-    try:
-        reason = request_dense_reason(getattr(request, "sampling_params", None))
-    except Exception:  # noqa: BLE001 - an odd request is served dense, never an error
-        reason = DenseReason.UNCLASSIFIED
+    """Record why `request` needs dense rows, if it does, and the ids vLLM stops it on."""
+    code, stop_ids = classify(getattr(request, "sampling_params", None))
     table = input_batch.__dict__.setdefault(_DENSE_TABLE, {})
-    if reason is None:
-        table.pop(request.req_id, None)
+    if code:
+        table[request.req_id] = code
     else:
-        table[request.req_id] = int(reason)
-    stop_ids = tuple(getattr(getattr(request, "sampling_params", None), "stop_token_ids", None) or ())
+        table.pop(request.req_id, None)
     stops = input_batch.__dict__.setdefault(_STOP_TABLE, {})
     if stop_ids:
         stops[request.req_id] = stop_ids
@@ -79,25 +78,19 @@ def _track(input_batch: Any, request: Any) -> None:
         stops.pop(request.req_id, None)
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(hook: str, exc: BaseException) -> None:
-    if hook not in _warned:
-        _warned.add(hook)
-        logger.warning("my_pkg: %s hook failed (%s: %s); vLLM's own behaviour kept", hook,
-                       type(exc).__name__, exc, exc_info=exc)
-
-
 def apply() -> None:
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    for owner, name in ((InputBatch, "add_request"), (InputBatch, "remove_request"), (GPUModelRunner, "execute_model")):
-        if not callable(getattr(owner, name, None)):
-            raise AttributeError(f"{owner.__module__}.{owner.__qualname__}.{name} is missing")
-    if getattr(GPUModelRunner.execute_model, "_my_pkg_wrapped", False):
-        return
+    require((InputBatch, "add_request"), (InputBatch, "remove_request"), (GPUModelRunner, "execute_model"),
+            (GPUModelRunner, "load_model"))
+    try:  # the CPU runner loads its model without calling GPUModelRunner.load_model
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:
+        CPUModelRunner = None
+    for runner_class in (GPUModelRunner, CPUModelRunner):
+        if runner_class is not None:
+            hook_load_model(runner_class)
 
     original_add = InputBatch.add_request
     original_remove = InputBatch.remove_request
@@ -109,7 +102,7 @@ def apply() -> None:
         try:
             _track(self, request)
         except Exception as exc:  # noqa: BLE001 - vLLM's bookkeeping already happened; never raise into it
-            _warn_once("add_request", exc)
+            warn_once("add_request", exc)
         return result
 
     @functools.wraps(original_remove)
@@ -120,7 +113,7 @@ def apply() -> None:
                 if table:
                     table.pop(req_id, None)
         except Exception as exc:  # noqa: BLE001
-            _warn_once("remove_request", exc)
+            warn_once("remove_request", exc)
         return original_remove(self, req_id, *args, **kwargs)
 
     @functools.wraps(original_execute)
@@ -129,15 +122,11 @@ def apply() -> None:
             controller = controller_of_runner(self)
         except Exception:  # noqa: BLE001 - without a controller the step is simply dense
             controller = None
-        if controller is None:
-            return original_execute(self, *args, **kwargs)
-        controller.arm(lambda: step_rows(self.input_batch))
-        try:
-            return original_execute(self, *args, **kwargs)
-        finally:
-            controller.disarm()
+        return run_armed(controller, lambda: step_rows(self.input_batch),
+                         lambda: original_execute(self, *args, **kwargs))
 
-    execute_model._my_pkg_wrapped = True  # type: ignore[attr-defined]
-    InputBatch.add_request = add_request
-    InputBatch.remove_request = remove_request
-    GPUModelRunner.execute_model = execute_model
+    for owner, name, hook in ((InputBatch, "add_request", add_request), (InputBatch, "remove_request", remove_request),
+                              (GPUModelRunner, "execute_model", execute_model)):
+        if not getattr(getattr(owner, name), WRAPPED, False):  # applying twice wraps once
+            setattr(hook, WRAPPED, True)
+            setattr(owner, name, hook)

@@ -3,13 +3,14 @@
 Model Runner V2 (`vllm/v1/worker/gpu/`, vLLM's default on CUDA) keeps per-request
 state in slots: a request holds one slot (`RequestState.req_id_to_index`) from
 the step it joins until it leaves, and row `i` of a step belongs to slot
-`InputBatch.idx_mapping_np[i]`. Applied only when a FlashHead model is built
-under V2 (`VllmConfig.use_v2_model_runner`), this module hooks:
+`InputBatch.idx_mapping_np[i]`. Installed with every FlashHead hook
+(`patches.on_flashhead_model`); a FlashHead model is served through it when vLLM
+picks V2 (`VllmConfig.use_v2_model_runner`). It hooks:
 
 - `Sampler.add_request(slot, sampling_params)`, where V2 writes a joining
   request's sampling state into its slot: records, per slot, why the request
   needs exact dense logits (`request_dense_reason`, the same reasons as under
-  V1) and its own `stop_token_ids`. Like V2's own sampler state, a slot is
+  V1) and the ids vLLM stops it on (`all_stop_token_ids`). Like V2's own sampler state, a slot is
   rewritten whenever a request takes it; a slot never classified is dense
   (`unclassified`).
 - `GPUModelRunner.sample`, which computes the logits of the step's rows with
@@ -17,6 +18,8 @@ under V2 (`VllmConfig.use_v2_model_runner`), this module hooks:
   call only. Prompt logprobs (computed after `sample`), warm-up and profiling
   calls find it disarmed and stay dense; so does batch-sharded sampling, whose
   logits call skips the gather.
+- `GPUModelRunner.load_model`, to build the head right after the weights load
+  (`runner_hooks.prepare_after_load`).
 
 Rows are sampled when their slot's temperature in V2's `SamplingStates` is
 above 0; FlashHead's logits for them are deterministic, so a request's `seed`
@@ -33,14 +36,21 @@ from typing import Any
 
 import numpy as np
 
-from my_pkg.engine.flashhead_control import controller_of_runner
-from my_pkg.engine.request_rows import DenseReason, StepRows, request_dense_reason
-from my_pkg.engine.patches.model_runner import _warn_once
+from my_pkg.engine.flashhead.rows import DenseReason, StepRows
+from my_pkg.engine.patches.runner_hooks import (
+    WRAPPED,
+    classify,
+    controller_of_runner,
+    hook_load_model,
+    require,
+    run_armed,
+    union_stop_ids,
+    warn_once,
+)
 
 TARGET = "vllm.v1.worker.gpu.model_runner.GPUModelRunner, vllm.v1.worker.gpu.sample.sampler.Sampler"
 _DENSE_TABLE = "_my_pkg_dense_slots"
 _STOP_TABLE = "_my_pkg_stop_token_ids"
-_WRAPPED = "_my_pkg_wrapped"
 _BUILTIN_LOGITS_PROCESSORS = ("LogitBiasState", "PenaltiesState", "BadWordsState")
 _UNCLASSIFIED = int(DenseReason.UNCLASSIFIED)
 
@@ -52,16 +62,12 @@ def _has_custom_logits_processors(sampler: Any) -> bool:
 
 def track(sampler: Any, slot: int, sampling_params: Any) -> None:
     """Record what the request now holding `slot` needs (unclassifiable: dense)."""
-    try:
-        reason = request_dense_reason(sampling_params)
-    except Exception:  # noqa: BLE001 - an odd request is served dense, never an error
-        reason = DenseReason.UNCLASSIFIED
+    code, stop_ids = classify(sampling_params)
     table: np.ndarray | None = sampler.__dict__.get(_DENSE_TABLE)
     if table is None:
         table = np.full(int(sampler.sampling_states.max_num_reqs), _UNCLASSIFIED, dtype=np.uint8)
         sampler.__dict__[_DENSE_TABLE] = table
-    table[slot] = 0 if reason is None else int(reason)
-    stop_ids = tuple(getattr(sampling_params, "stop_token_ids", None) or ())
+    table[slot] = code
     stops: dict[int, tuple[int, ...]] = sampler.__dict__.setdefault(_STOP_TABLE, {})
     if stop_ids:
         stops[int(slot)] = stop_ids
@@ -88,27 +94,22 @@ def step_rows(sampler: Any, input_batch: Any) -> StepRows:
         codes = table[slots]
     states = sampler.sampling_states
     sampled = states.temperature.np[slots] > 0.0
-    stop_ids: set[int] = set()
     stops: dict[int, tuple[int, ...]] = sampler.__dict__.get(_STOP_TABLE) or {}
-    if stops:  # only slots whose request has stop_token_ids of its own are in the table
-        for slot in slots.tolist():
-            stop_ids.update(stops.get(slot, ()))
+    stop_ids = union_stop_ids(stops[slot] for slot in slots.tolist() if slot in stops) if stops else ()
     logits_per_request = np.diff(np.asarray(input_batch.cu_num_logits_np[: num_reqs + 1]))
     if not np.all(logits_per_request == 1):  # a request with several (or no) logits rows this step
         codes, sampled = np.repeat(codes, logits_per_request), np.repeat(sampled, logits_per_request)
-    return StepRows(dense_codes=codes, sampled=sampled, stop_ids=tuple(sorted(stop_ids)))
+    return StepRows(dense_codes=codes, sampled=sampled, stop_ids=stop_ids)
 
 
 def apply() -> None:
-    """Hook V2's `Sampler.add_request` and `GPUModelRunner.sample`; raises, changing nothing, if one is missing."""
+    """Hook V2's `Sampler.add_request`, `GPUModelRunner.sample` and `load_model`; raises, changing nothing,
+    if one is missing."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
-    for owner, name in ((Sampler, "add_request"), (GPUModelRunner, "sample")):
-        if not callable(getattr(owner, name, None)):
-            raise AttributeError(f"{owner.__module__}.{owner.__qualname__}.{name} is missing")
-    if getattr(GPUModelRunner.sample, _WRAPPED, False):
-        return
+    require((Sampler, "add_request"), (GPUModelRunner, "sample"), (GPUModelRunner, "load_model"))
+    hook_load_model(GPUModelRunner)
 
     original_add = Sampler.add_request
     original_sample = GPUModelRunner.sample
@@ -120,7 +121,7 @@ def apply() -> None:
             track(self, req_idx, sampling_params)
         except Exception as exc:  # noqa: BLE001 - vLLM's bookkeeping already happened; never raise into it
             forget(self)
-            _warn_once("V2 Sampler.add_request", exc)
+            warn_once("V2 Sampler.add_request", exc)
         return result
 
     @functools.wraps(original_sample)
@@ -132,15 +133,10 @@ def apply() -> None:
             sampler = self.sampler
         except Exception:  # noqa: BLE001 - without a controller the step is simply dense
             controller = None
-        if controller is None:
-            return original_sample(self, hidden_states, input_batch, *args, **kwargs)
-        controller.arm(lambda: step_rows(sampler, input_batch))
-        try:
-            return original_sample(self, hidden_states, input_batch, *args, **kwargs)
-        finally:
-            controller.disarm()
+        return run_armed(controller, lambda: step_rows(sampler, input_batch),
+                         lambda: original_sample(self, hidden_states, input_batch, *args, **kwargs))
 
-    setattr(add_request, _WRAPPED, True)
-    setattr(sample, _WRAPPED, True)
-    Sampler.add_request = add_request
-    GPUModelRunner.sample = sample
+    for owner, name, hook in ((Sampler, "add_request", add_request), (GPUModelRunner, "sample", sample)):
+        if not getattr(getattr(owner, name), WRAPPED, False):  # applying twice wraps once
+            setattr(hook, WRAPPED, True)
+            setattr(owner, name, hook)

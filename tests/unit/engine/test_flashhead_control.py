@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from my_pkg.engine.flashhead_control import FlashHeadController
-from my_pkg.engine.request_rows import DenseReason, StepRows
+from my_pkg.contract import FlashHeadState, FlashHeadUpdate
+from my_pkg.engine.flashhead import FlashHeadController, status_without_controller
+from my_pkg.engine.flashhead.rows import DenseReason, StepRows
 
 VOCAB, HIDDEN, CAP = 512, 32, 16
 CLUSTERS = VOCAB // CAP
@@ -79,7 +80,7 @@ def test_postprocess_applies_to_candidates_only(controller, weight):
 
 
 def test_every_cluster_probed_equals_dense(controller, weight):
-    controller.apply({"n_probes": CLUSTERS})
+    controller.apply(FlashHeadUpdate(n_probes=CLUSTERS))
     hidden = torch.randn(5, HIDDEN)
     logits = controller.compute_logits(hidden, _rows([0] * 5), _dense(weight), lambda x: x)
     torch.testing.assert_close(logits, _dense(weight)(hidden))
@@ -87,19 +88,19 @@ def test_every_cluster_probed_equals_dense(controller, weight):
 
 def test_batch_above_threshold_and_disabled_go_dense(controller, weight):
     hidden = torch.randn(3, HIDDEN)
-    controller.apply({"dense_batch_threshold": 2})
+    controller.apply(FlashHeadUpdate(dense_batch_threshold=2))
     out = controller.compute_logits(hidden, _rows([0, 0, 0]), _dense(weight), lambda x: x)
     torch.testing.assert_close(out, _dense(weight)(hidden))
-    controller.apply({"dense_batch_threshold": 64, "enabled": False})
+    controller.apply(FlashHeadUpdate(dense_batch_threshold=64, enabled=False))
     controller.compute_logits(hidden, _rows([0, 0, 0]), _dense(weight), lambda x: x)
     assert controller.counters.rows_dense == {"batch_threshold": 3, "disabled": 3}
     assert controller.counters.rows_flashhead == 0
     status = controller.status()
-    assert status["active"] is False and "disabled" in status["reason"]
+    assert status.active is False and status.reason_code == "disabled" and "disabled" in status.reason
 
 
 def test_sampled_rows_get_estimated_logits_and_stay_reproducible(controller, weight):
-    controller.apply({"dense_batch_threshold": 64})
+    controller.apply(FlashHeadUpdate(dense_batch_threshold=64))
     torch.manual_seed(1)
     hidden = torch.randn(1, HIDDEN).repeat(8, 1)
     greedy = controller.compute_logits(hidden, _rows([0] * 8), _dense(weight), lambda x: x)
@@ -108,7 +109,7 @@ def test_sampled_rows_get_estimated_logits_and_stay_reproducible(controller, wei
     assert not torch.isfinite(greedy).all()
     assert torch.isfinite(sampled).all()  # unprobed clusters keep an estimated share of the mass
     assert (sampled == sampled[0]).all()  # nothing random: a seeded request reproduces
-    assert controller.status()["sampled_n_probes"] == controller.head.sampled_n_probes
+    assert controller.status().sampled_n_probes == controller.head.sampled_n_probes
     controller.settings.probe_sampling = False  # MY_PKG_FLASHHEAD_PROBE_SAMPLING=0
     plain = controller.compute_logits(hidden, _rows([0] * 8, [True] * 8), _dense(weight), lambda x: x)
     assert torch.equal(plain, greedy)
@@ -121,28 +122,40 @@ def test_mismatched_rows_go_dense(controller, weight):
     assert controller.counters.rows_dense == {"unexpected_rows": 3}
 
 
-@pytest.mark.parametrize(
-    ("update", "message"),
-    [
-        ({"n_probes": 0}, "n_probes must be an integer >= 1"),
-        ({"n_probes": CLUSTERS + 1}, f"<= the number of clusters ({CLUSTERS})"),
-        ({"n_probes": True}, "n_probes must be an integer"),
-        ({"dense_batch_threshold": -1}, "dense_batch_threshold"),
-        ({"enabled": "yes"}, "enabled must be true or false"),
-        ({"colour": 1}, "unknown field 'colour'"),
-    ],
-)
-def test_invalid_updates_are_refused(controller, update, message):
+def test_an_update_is_checked_against_the_served_model_only(controller):
+    """The contract checks fields and types (`FlashHeadUpdate`); the controller what the model decides."""
     before = controller.status()
-    errors = controller.validate(update)
-    assert any(message in error for error in errors), errors
+    errors = controller.validate(FlashHeadUpdate(n_probes=CLUSTERS + 1))
+    assert errors == [f"n_probes must be <= the number of clusters ({CLUSTERS})"]
+    assert controller.validate(FlashHeadUpdate(n_probes=CLUSTERS, enabled=False, dense_batch_threshold=None)) == []
     assert controller.status() == before
 
 
+def test_status_is_the_contract_model_with_every_field_set(controller, weight):
+    """No field of `FlashHeadState` is left to its default, with or without a controller."""
+    every = set(FlashHeadState.model_fields)
+    built = controller.status()
+    assert isinstance(built, FlashHeadState) and built.model_fields_set == every
+    unbuilt = FlashHeadController(centroids=None, assignments=None, config={}, vocab_size=VOCAB).status()
+    assert unbuilt.model_fields_set == every and unbuilt.reason_code == "no_assets"
+    missing = status_without_controller()
+    assert missing.model_fields_set == every and missing.reason_code == "no_assets"
+    taken = status_without_controller("logits_processor_taken", "another plugin")
+    assert taken.reason == "another plugin" and not taken.available
+
+
+def test_extra_memory_covers_the_sampled_rows_tables_and_pins(weight):
+    ctl = _pinned_controller(weight, [3, 7])
+    assert ctl.head is not None and ctl.head._tail is not None  # built by `prepare`, before any request
+    memory = ctl.status().extra_memory_bytes
+    assert memory >= ctl.head.extra_memory_bytes + 2 * HIDDEN * weight.element_size()
+    assert memory > ctl.head.centroids.numel() * ctl.head.centroids.element_size() + ctl.head._tail.nbytes
+
+
 def test_apply_takes_effect_on_the_head(controller):
-    controller.apply({"n_probes": 7})
+    controller.apply(FlashHeadUpdate(n_probes=7))
     assert controller.head.n_probes == 7
-    assert controller.status()["n_probes"] == 7
+    assert controller.status().n_probes == 7
 
 
 def test_fallback_is_counted_and_logged_once(controller, caplog):
@@ -161,8 +174,8 @@ def test_assets_that_do_not_match_the_vocabulary_leave_it_unavailable(weight):
     )
     ctl.bind(weight)
     assert ctl.head is None and not ctl.available
-    assert "vocabulary" in ctl.status()["reason"]
-    assert ctl.validate({"n_probes": 1})
+    assert "vocabulary" in ctl.status().reason
+    assert ctl.validate(FlashHeadUpdate(n_probes=1))
 
 
 def test_environment_sets_start_up_settings(weight, monkeypatch):
@@ -182,10 +195,10 @@ def test_settings_can_change_before_the_head_is_built(weight):
         config={"n_probes": 5}, vocab_size=VOCAB,
     )
     assert ctl.head is None
-    assert ctl.status()["num_clusters"] == CLUSTERS and ctl.status()["cluster_size"] == CAP
-    assert ctl.validate({"n_probes": CLUSTERS}) == []
-    assert ctl.validate({"n_probes": CLUSTERS + 1})
-    ctl.apply({"n_probes": CLUSTERS})
+    assert ctl.status().num_clusters == CLUSTERS and ctl.status().cluster_size == CAP
+    assert ctl.validate(FlashHeadUpdate(n_probes=CLUSTERS)) == []
+    assert ctl.validate(FlashHeadUpdate(n_probes=CLUSTERS + 1))
+    ctl.apply(FlashHeadUpdate(n_probes=CLUSTERS))
     ctl.bind(weight)
     assert ctl.head.n_probes == CLUSTERS
 
@@ -195,7 +208,7 @@ def _pinned_controller(weight, pinned, n_probes=1):
     centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
     ctl = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": n_probes},
                               vocab_size=VOCAB, pinned_ids=pinned)
-    ctl.bind(weight)
+    ctl.prepare(weight)
     return ctl
 
 
@@ -221,7 +234,7 @@ def test_eos_and_special_tokens_are_scored_on_every_row(weight):
     logits = pinned.compute_logits(hidden, _rows([0]), _dense(weight), lambda x: x)
     assert int(logits.argmax()) == eos  # FlashHead stops where dense stops
     torch.testing.assert_close(logits[0, eos], (hidden @ weight[:VOCAB].T)[0, eos])
-    assert pinned.status()["pinned_token_ids"] == [eos]
+    assert pinned.status().pinned_token_ids == [eos]
 
 
 def test_a_requests_stop_token_ids_are_scored_on_every_flashhead_row(weight):
@@ -251,19 +264,19 @@ def test_stop_and_special_token_ids_come_from_the_model_files(tmp_path):
 def test_live_fidelity_telemetry_checks_one_row_in_n_against_the_dense_head(weight, monkeypatch):
     monkeypatch.setenv("MY_PKG_FLASHHEAD_FIDELITY_EVERY", "4")
     ctl = _pinned_controller(weight, [], n_probes=1)
-    assert ctl.status()["fidelity_every"] == 4
+    assert ctl.status().fidelity_every == 4
     torch.manual_seed(2)
     for _ in range(8):  # 24 FlashHead rows: 6 checked
         ctl.compute_logits(torch.randn(3, HIDDEN) * 3, _rows([0, 0, 0]), _dense(weight), lambda x: x)
-    counters = ctl.status()["counters"]
-    assert counters["fidelity_rows"] == 6
-    assert 0 <= counters["fidelity_agreed"] < 6  # one probe of 32 clusters misses some argmaxes
+    counters = ctl.status().counters
+    assert counters.fidelity_rows == 6
+    assert 0 <= counters.fidelity_agreed < 6  # one probe of 32 clusters misses some argmaxes
 
-    ctl.apply({"n_probes": CLUSTERS})  # every cluster probed: FlashHead is the dense head
+    ctl.apply(FlashHeadUpdate(n_probes=CLUSTERS))  # every cluster probed: FlashHead is the dense head
     for _ in range(4):
         ctl.compute_logits(torch.randn(3, HIDDEN) * 3, _rows([0, 0, 0]), _dense(weight), lambda x: x)
-    after = ctl.status()["counters"]
-    assert after["fidelity_rows"] == 9 and after["fidelity_agreed"] - counters["fidelity_agreed"] == 3
+    after = ctl.status().counters
+    assert after.fidelity_rows == 9 and after.fidelity_agreed - counters.fidelity_agreed == 3
 
 
 def test_fidelity_telemetry_off(weight, monkeypatch):
@@ -272,4 +285,4 @@ def test_fidelity_telemetry_off(weight, monkeypatch):
     calls = []
     dense = _dense(weight)
     ctl.compute_logits(torch.randn(5, HIDDEN), _rows([0] * 5), lambda h: calls.append(h) or dense(h), lambda x: x)
-    assert calls == [] and ctl.status()["counters"]["fidelity_rows"] == 0
+    assert calls == [] and ctl.status().counters.fidelity_rows == 0

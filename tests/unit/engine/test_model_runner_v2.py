@@ -22,8 +22,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from my_pkg.engine.request_rows import DenseReason
-from my_pkg.engine.patches import logits_processor, model_runner, model_runner_v2
+from my_pkg.engine import patches
+from my_pkg.engine.flashhead.rows import DenseReason
+from my_pkg.engine.patches import logits_processor, model_runner, model_runner_v2, runner_hooks
 from my_pkg.flashhead.assets import save_clustering_cache
 
 VOCAB, HIDDEN, CAP, SLOTS = 256, 16, 16, 8
@@ -110,7 +111,8 @@ def _vllm_config(model_dir, *, use_v2: bool, flashhead: bool = True):
 
 
 def _processor(tmp_path, lm_head, *, use_v2: bool = True, flashhead: bool = True):
-    """The FlashHead logits processor as vLLM builds it for a FlashHead model (hooks the runner)."""
+    """The FlashHead logits processor as vLLM builds it for a FlashHead model, once its architecture was
+    resolved (`patches.on_flashhead_model`, which the `flashhead_hooks` fixture or the test calls)."""
     from vllm.config import set_current_vllm_config
 
     weight = lm_head.weight
@@ -252,7 +254,7 @@ def test_the_add_request_hook_never_raises_into_vllm(v2, monkeypatch):
         raise TypeError("odd request")
 
     with monkeypatch.context() as patched:
-        patched.setattr(model_runner_v2, "request_dense_reason", unclassifiable)
+        patched.setattr(runner_hooks, "request_dense_reason", unclassifiable)
         batch = _step(runner, new=[_request("odd", temperature=0.0)])
     assert model_runner_v2.step_rows(runner.sampler, batch).dense_codes.tolist() == [DenseReason.UNCLASSIFIED]
 
@@ -270,9 +272,9 @@ def test_the_add_request_hook_never_raises_into_vllm(v2, monkeypatch):
     assert rows.dense_codes.tolist() == [DenseReason.UNCLASSIFIED] * 2  # nothing trusted after a failure
 
 
-def test_sample_serves_the_decode_step_through_flashhead_and_nothing_else(v2, tmp_path):
+def test_sample_serves_the_decode_step_through_flashhead_and_nothing_else(v2, tmp_path, flashhead_hooks):
     lm_head = _lm_head()
-    processor = _processor(tmp_path, lm_head)  # builds the controller and hooks Model Runner V2
+    processor = _processor(tmp_path, lm_head)  # builds the controller; its hooks are installed
     controller = processor._my_pkg_flashhead
     assert controller.available and getattr(v2.GPUModelRunner.sample, "_my_pkg_wrapped", False)
     runner = _runner(v2, TinyLM(processor, lm_head))
@@ -301,7 +303,7 @@ def test_sample_serves_the_decode_step_through_flashhead_and_nothing_else(v2, tm
     assert controller.counters.steps == 1 and controller.take_step() is None
 
 
-def test_sample_of_a_model_without_flashhead_is_vllms_own(v2, tmp_path):
+def test_sample_of_a_model_without_flashhead_is_vllms_own(v2, tmp_path, flashhead_hooks):
     model_runner_v2.apply()
     lm_head = _lm_head()
     processor = _processor(tmp_path, lm_head, flashhead=False)
@@ -313,7 +315,7 @@ def test_sample_of_a_model_without_flashhead_is_vllms_own(v2, tmp_path):
     torch.testing.assert_close(runner.sampler.seen_logits, hidden @ lm_head.weight.T)
 
 
-def test_a_failing_step_description_is_dense_and_the_runner_is_disarmed(v2, tmp_path):
+def test_a_failing_step_description_is_dense_and_the_runner_is_disarmed(v2, tmp_path, flashhead_hooks):
     lm_head = _lm_head()
     processor = _processor(tmp_path, lm_head)
     controller = processor._my_pkg_flashhead
@@ -330,7 +332,7 @@ class DeviceLost(RuntimeError):
     pass
 
 
-def test_a_step_that_fails_before_its_logits_leaves_the_controller_disarmed(v2, tmp_path):
+def test_a_step_that_fails_before_its_logits_leaves_the_controller_disarmed(v2, tmp_path, flashhead_hooks):
     lm_head = _lm_head()
     processor = _processor(tmp_path, lm_head)
     controller = processor._my_pkg_flashhead
@@ -347,7 +349,7 @@ def test_a_step_that_fails_before_its_logits_leaves_the_controller_disarmed(v2, 
     assert controller.take_step() is None  # a later logits call (prompt logprobs) is not taken for the step
 
 
-def test_batch_sharded_sampling_is_not_armed(v2, tmp_path):
+def test_batch_sharded_sampling_is_not_armed(v2, tmp_path, flashhead_hooks):
     lm_head = _lm_head()
     processor = _processor(tmp_path, lm_head)
     controller = processor._my_pkg_flashhead
@@ -365,22 +367,42 @@ def test_batch_sharded_sampling_is_not_armed(v2, tmp_path):
     assert seen == [None]
 
 
+def _install_hooks(monkeypatch):
+    """`patches.on_flashhead_model()`, with vLLM's `LogitsProcessor` registry taken back afterwards."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    monkeypatch.setitem(op_registry_oot, "LogitsProcessor", None)
+    op_registry_oot.pop("LogitsProcessor")
+    patches.on_flashhead_model()
+    return op_registry_oot
+
+
 @pytest.mark.parametrize("use_v2", [True, False], ids=["V2", "V1"])
-def test_the_controller_hooks_the_runner_vllm_uses(use_v2, tmp_path, monkeypatch):
-    applied = []
-    monkeypatch.setattr(model_runner_v2, "apply", lambda: applied.append("V2"))
-    monkeypatch.setattr(model_runner, "apply", lambda: applied.append("V1"))
-    processor = _processor(tmp_path, _lm_head(), use_v2=use_v2)
-    assert applied == ["V2" if use_v2 else "V1"]
-    assert processor._my_pkg_flashhead.available  # Model Runner V2 is no longer a reason to stay dense
+def test_one_entry_installs_every_hook_and_the_runner_vllm_uses_decides(use_v2, v2, tmp_path, monkeypatch):
+    """`on_flashhead_model` installs the logits processor and both runners' hooks; a failed hook
+    makes FlashHead unavailable only when vLLM runs that runner."""
+    unused = model_runner if use_v2 else model_runner_v2
+
+    def broken():
+        raise AttributeError("moved")
+
+    monkeypatch.setattr(unused, "apply", broken)
+    registry = _install_hooks(monkeypatch)
+    assert registry["LogitsProcessor"] is logits_processor.subclass()
+    assert patches.hook_error("model_runner_v2" if use_v2 else "model_runner") is None
+    assert patches.hook_error("model_runner" if use_v2 else "model_runner_v2") == "moved"
+    assert _processor(tmp_path, _lm_head(), use_v2=use_v2)._my_pkg_flashhead.available
+    status = _processor(tmp_path, _lm_head(), use_v2=not use_v2)._my_pkg_flashhead.status()
+    assert not status.available and status.reason_code == "runner_hook_failed" and "moved" in status.reason
 
 
 def test_a_missing_v2_symbol_leaves_flashhead_unavailable_not_a_crash(v2, tmp_path, monkeypatch):
     monkeypatch.delattr(v2.GPUModelRunner, "sample")
+    _install_hooks(monkeypatch)
     processor = _processor(tmp_path, _lm_head())
     status = processor._my_pkg_flashhead.status()
-    assert not status["available"] and status["reason_code"] == "runner_hook_failed"
-    assert "Model Runner V2" in status["reason"] and "GPUModelRunner.sample is missing" in status["reason"]
+    assert not status.available and status.reason_code == "runner_hook_failed"
+    assert "Model Runner V2" in status.reason and "GPUModelRunner.sample is missing" in status.reason
     assert not getattr(v2.Sampler.add_request, "_my_pkg_wrapped", False)  # nothing half-applied
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from my_pkg.engine.flashhead_control import FlashHeadController
-from my_pkg.engine.request_rows import DenseReason, request_dense_reason
+from my_pkg.engine.flashhead import FlashHeadController, StepRows
+from my_pkg.engine.flashhead.rows import DenseReason, request_dense_reason, request_stop_ids
 from my_pkg.engine.patches import logits_processor, model_runner
 
 VOCAB, HIDDEN, CAP = 256, 16, 16
@@ -44,7 +44,7 @@ def test_every_sampling_params_field_is_classified():
     """Fails when vLLM adds a request field: decide whether FlashHead may serve it, then list it."""
     from vllm import SamplingParams
 
-    from my_pkg.engine.request_rows import DENSE_REQUEST_FIELDS, FLASHHEAD_REQUEST_FIELDS
+    from my_pkg.engine.flashhead.rows import DENSE_REQUEST_FIELDS, FLASHHEAD_REQUEST_FIELDS
 
     public = {name for name in SamplingParams.__struct_fields__ if not name.startswith("_")}
     unknown = public - set(DENSE_REQUEST_FIELDS) - FLASHHEAD_REQUEST_FIELDS
@@ -64,6 +64,11 @@ def test_every_sampling_params_field_is_classified():
         ({"extra_args": {"flashhead": "false"}}, "opt_out"),
         ({"extra_args": {"flashhead": True, "other": 1}}, None),
         ({"stop_token_ids": [3], "min_tokens": 2, "n": 3, "top_k": 5, "min_p": 0.1}, None),
+        ({"temperature": 0.0, "repetition_penalty": 1.1}, "penalized_greedy"),
+        ({"temperature": 0.0, "presence_penalty": 0.5}, "penalized_greedy"),
+        ({"temperature": 0.0, "frequency_penalty": -0.2}, "penalized_greedy"),
+        ({"temperature": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0}, None),
+        ({"temperature": 0.7, "frequency_penalty": 0.5, "repetition_penalty": 1.3}, None),  # sampled: served
     ],
 )
 def test_more_request_fields(kwargs, reason):
@@ -159,7 +164,7 @@ def processor_and_head():
 
 
 def _arm(controller, num_rows):
-    rows = model_runner.StepRows(np.zeros(num_rows, np.uint8), np.zeros(num_rows, bool))
+    rows = StepRows(np.zeros(num_rows, np.uint8), np.zeros(num_rows, bool))
     controller.arm(lambda: rows)
 
 
@@ -220,7 +225,8 @@ def test_quantized_head_makes_flashhead_unavailable(processor_and_head):
     _arm(controller, 1)
     hidden = torch.randn(1, HIDDEN)
     torch.testing.assert_close(processor(lm_head, hidden), hidden @ lm_head.weight[:VOCAB].T)
-    assert not controller.available and "quantized" in controller.status()["reason"]
+    status = controller.status()
+    assert not controller.available and status.reason_code == "quantized_head" and "quantized" in status.reason
 
 
 def test_a_failing_step_description_falls_back_to_dense(processor_and_head):
@@ -316,7 +322,11 @@ def test_input_batch_hooks_never_raise_into_vllm(monkeypatch):
     seen = []
     monkeypatch.setattr(InputBatch, "add_request", lambda self, request: seen.append(("add", request)) or 7)
     monkeypatch.setattr(InputBatch, "remove_request", lambda self, req_id: seen.append(("remove", req_id)) or 3)
-    monkeypatch.setattr(GPUModelRunner, "execute_model", GPUModelRunner.execute_model)  # restored afterwards
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    for runner_class, name in ((GPUModelRunner, "execute_model"), (GPUModelRunner, "load_model"),
+                               (CPUModelRunner, "load_model")):
+        monkeypatch.setattr(runner_class, name, runner_class.__dict__[name])  # restored afterwards
     model_runner.apply()
 
     batch = object.__new__(InputBatch)
@@ -330,3 +340,55 @@ def test_input_batch_hooks_never_raise_into_vllm(monkeypatch):
     assert InputBatch.remove_request(batch, "a") == 3 and InputBatch.remove_request(batch, "b") == 3
     assert batch.__dict__["_my_pkg_dense_requests"] == {} and batch.__dict__["_my_pkg_stop_token_ids"] == {}
     assert seen == [("add", odd), ("add", logprobs), ("add", plain), ("remove", "a"), ("remove", "b")]
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_every_id_vllm_stops_on_is_pinned_the_tokenizers_eos_included(ignore_eos):
+    """vLLM keeps the tokenizer's EOS out of `stop_token_ids` (`update_from_generation_config`); the
+    hooks pin `all_stop_token_ids`, which holds it and generation_config's EOS ids, even with ignore_eos."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(stop_token_ids=[11], ignore_eos=ignore_eos)
+    params.update_from_generation_config({"eos_token_id": [9, 7]}, eos_token_id=7)
+    assert 7 not in (params.stop_token_ids or [])  # what the plugin used to pin missed it
+    assert request_stop_ids(params) == (7, 9, 11)
+
+    batch = _input_batch(2, [0.0, 0.0], {})
+    model_runner._track(batch, SimpleNamespace(req_id="r1", sampling_params=params))
+    model_runner._track(batch, SimpleNamespace(req_id="r0", sampling_params=SamplingParams()))
+    rows = model_runner.step_rows(batch)
+    assert rows.stop_ids == (7, 9, 11) and rows.dense_codes.tolist() == [0, 0]
+
+
+def test_the_tokenizer_vllm_loads_gives_its_eos_even_as_a_non_special_added_token(tmp_path):
+    """`--tokenizer` in another directory than the model's, whose EOS was added with `add_tokens`
+    (special=false, as in many ChatML fine-tunes): its id is pinned, read from the tokenizer vLLM loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "hello": 2, "world": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>")
+    tokenizer.add_tokens(["<|im_end|>"])  # not special
+    tokenizer.eos_token = "<|im_end|>"
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token_id == end == 4 and not tokenizer.added_tokens_decoder[end].special
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(tokenizer_dir)
+    from my_pkg.flashhead.assets import stop_and_special_token_ids
+
+    assert end not in stop_and_special_token_ids(tokenizer_dir, {})  # the model files alone miss it
+
+    from vllm.tokenizers.registry import cached_get_tokenizer
+
+    cached_get_tokenizer.cache_clear()
+    model_config = SimpleNamespace(tokenizer=str(tokenizer_dir), tokenizer_mode="auto", runner_type="generate",
+                                   tokenizer_revision=None, trust_remote_code=False, skip_tokenizer_init=False,
+                                   hf_config=None)
+    pinned = logits_processor.tokenizer_stop_and_special_ids(model_config)
+    assert end in pinned and 1 in pinned and 0 in pinned
+    assert logits_processor.tokenizer_stop_and_special_ids(
+        SimpleNamespace(skip_tokenizer_init=True, hf_config=None)) == []
+    assert logits_processor.tokenizer_stop_and_special_ids(
+        SimpleNamespace(**{**vars(model_config), "tokenizer": str(tmp_path / "missing")})) == []

@@ -27,7 +27,6 @@ PROBE = textwrap.dedent(
     {then}
     print(json.dumps({{
         "lazy_import": lazy,
-        "applied": my_pkg.engine.applied_patches(),
         "methods": sorted(m for m in vars(WorkerBase) if m.startswith("my_pkg_")),
         "flashhead_archs": sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith("FlashHead")),
         "logits_processor_after_register": after_register,
@@ -42,8 +41,11 @@ PROBE = textwrap.dedent(
 RESOLVE_FLASHHEAD = textwrap.dedent(
     """
     model_cls = ModelRegistry.models["FlashHeadLlamaForCausalLM"].load_model_cls()
-    from my_pkg.engine.patches.logits_processor import slot_taken_reason
-    extra = {"model_cls": model_cls.__name__, "slot_taken_reason": slot_taken_reason()}
+    from my_pkg.engine import patches
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    extra = {"model_cls": model_cls.__name__, "hook_errors": {n: patches.hook_error(n) for n in patches.FLASHHEAD_HOOKS},
+             "no_controller": patches.no_controller_status().model_dump(include={"reason_code", "reason"}),
+             "runner_hooked": getattr(GPUModelRunner.execute_model, "_my_pkg_wrapped", False)}
     """
 )
 
@@ -63,11 +65,9 @@ def _probe(prelude: str = "", then: str = "extra = {}", **env: str) -> tuple[dic
 def test_register_applies_every_patch_once_and_imports_lazily():
     result, _ = _probe(then=RESOLVE_FLASHHEAD)
     assert result["lazy_import"] is True
-    assert result["applied"] == {"worker": True, "model_registry": True}
-    assert result["methods"] == [
-        "my_pkg_config", "my_pkg_flashhead_apply", "my_pkg_flashhead_status",
-        "my_pkg_flashhead_validate", "my_pkg_ping", "my_pkg_status", "my_pkg_worker_info",
-    ]
+    from my_pkg.contract import WORKER_METHOD_NAMES
+
+    assert result["methods"] == sorted(WORKER_METHOD_NAMES)
     for arch in ("FlashHeadLlamaForCausalLM", "FlashHeadQwen2ForCausalLM", "FlashHeadQwen3ForCausalLM",
                  "FlashHeadMistralForCausalLM", "FlashHeadGemma3ForCausalLM"):
         assert arch in result["flashhead_archs"]
@@ -75,7 +75,10 @@ def test_register_applies_every_patch_once_and_imports_lazily():
     assert result["logits_processor_after_register"] is None
     assert result["model_cls"] == "LlamaForCausalLM"
     assert result["logits_processor"] == "FlashHeadLogitsProcessor"
-    assert result["slot_taken_reason"] is None
+    # One entry installed every FlashHead hook, when the architecture was resolved.
+    assert result["hook_errors"] == {"logits_processor": None, "model_runner": None, "model_runner_v2": None}
+    assert result["runner_hooked"] is True
+    assert result["no_controller"]["reason_code"] == "no_assets"
 
 
 def test_installing_the_plugin_leaves_another_plugins_logits_processor_working():
@@ -93,7 +96,9 @@ def test_installing_the_plugin_leaves_another_plugins_logits_processor_working()
     result, stderr = _probe(then=other + RESOLVE_FLASHHEAD)
     assert result["logits_processor"] == "OtherPluginLogitsProcessor"
     assert result["model_cls"] == "LlamaForCausalLM"
-    assert "OtherPluginLogitsProcessor" in result["slot_taken_reason"]
+    assert "OtherPluginLogitsProcessor" in result["hook_errors"]["logits_processor"]
+    assert result["no_controller"]["reason_code"] == "logits_processor_taken"
+    assert "OtherPluginLogitsProcessor" in result["no_controller"]["reason"]
     assert stderr.count("FlashHead cannot hook vLLM's logits") == 1
 
 
@@ -119,9 +124,8 @@ def test_moved_internal_warns_once_and_leaves_that_component_alone():
         """
     )
     result, stderr = _probe(prelude)
-    assert result["applied"]["worker"] is False
-    assert result["applied"]["model_registry"] is True
-    assert result["methods"] == []
+    assert result["methods"] == []  # the worker patch did not apply
+    assert "FlashHeadLlamaForCausalLM" in result["flashhead_archs"]  # the registry patch did
     assert stderr.count("vllm.v1.worker.worker_base.WorkerBase") == 1
 
 

@@ -163,15 +163,18 @@ def test_the_worker_methods_are_the_contracts():
 
 
 def test_the_update_fields_are_the_controllers():
-    from my_pkg.engine.flashhead_settings import UPDATE_FIELDS
+    from dataclasses import fields
 
-    assert set(contract.UPDATE_FIELDS) == set(UPDATE_FIELDS) == set(contract.FlashHeadUpdate.model_fields)
+    from my_pkg.flashhead.settings import FlashHeadSettings
+
+    assert set(contract.UPDATE_FIELDS) == set(contract.FlashHeadUpdate.model_fields)
+    assert set(contract.UPDATE_FIELDS) <= {f.name for f in fields(FlashHeadSettings)}
 
 
 @pytest.fixture
 def flashhead_worker(worker, monkeypatch):
     """The stand-in worker with a real FlashHead controller (32 clusters of 16 tokens) on its model."""
-    from my_pkg.engine.flashhead_control import FlashHeadController
+    from my_pkg.engine.flashhead import FlashHeadController
 
     for name in ("MY_PKG_FLASHHEAD", "MY_PKG_FLASHHEAD_N_PROBES", "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD"):
         monkeypatch.delenv(name, raising=False)

@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from my_pkg.engine.flashhead_control import FlashHeadController
-from my_pkg.engine.request_rows import StepRows
+from my_pkg.engine.flashhead import FlashHeadController, StepRows
 from my_pkg.engine.patches import logits_processor
 
 VOCAB, HIDDEN, CAP = 200, 16, 8
@@ -86,7 +85,7 @@ def test_the_head_is_built_on_the_first_logits_call_over_each_rank_shard(weight)
     for processor, lm_head, _ in ranks:  # vLLM's warm-up call: not a decode step, but the head gets built
         controller = processor._my_pkg_flashhead
         processor(lm_head, hidden)
-        assert controller.head is not None and controller.status()["active"] is True
+        assert controller.head is not None and controller.status().active is True
         assert controller.counters.steps == 0
     assert [p._my_pkg_flashhead.vocab_range for p, _, _ in ranks] == [(0, SHARD), (SHARD, VOCAB)]
 

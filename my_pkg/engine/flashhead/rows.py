@@ -1,39 +1,22 @@
 """Which rows of a decode step FlashHead may serve: request classification and the step's rows.
 
 A request is classified once, when the model runner takes it in, from its own
-`SamplingParams`; the per-step hooks (`patches/model_runner.py`,
-`patches/model_runner_v2.py`) turn those classes into a `StepRows`. Imports
-numpy only; vLLM objects reach it as plain arguments.
+`SamplingParams` (`request_dense_reason`, `request_stop_ids`); the per-step hooks
+(`patches/runner_hooks.py`) turn those classes into a `StepRows`. Imports numpy
+and the contract only; vLLM objects reach it as plain arguments.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any
 
 import numpy as np
 
+from my_pkg.contract import DenseReason
 
-class DenseReason(IntEnum):
-    """Why a row is served by the dense head; the value is the row's code in `StepRows.dense_codes`
-    (0, no member, means FlashHead may serve it) and `label` the key of its counter."""
-
-    LOGPROBS = 1
-    STRUCTURED_OUTPUT = 2
-    LOGIT_BIAS = 3
-    ALLOWED_TOKEN_IDS = 4
-    BAD_WORDS = 5
-    CUSTOM_LOGITS_PROCESSORS = 6
-    UNCLASSIFIED = 7
-    THINKING_BUDGET = 8
-    WATERMARK = 9
-    OPT_OUT = 10
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
+__all__ = ["DENSE_REQUEST_FIELDS", "FLASHHEAD_REQUEST_FIELDS", "OPT_OUT_ARG", "DenseReason", "StepRows",
+           "request_dense_reason", "request_stop_ids"]
 
 #: `SamplingParams` fields that need exact dense logits when a request sets them, checked in this order.
 DENSE_REQUEST_FIELDS: dict[str, DenseReason] = {
@@ -69,12 +52,51 @@ def _request_fields(sampling_params: Any) -> tuple[str, ...]:
     return tuple(name for name in fields if not name.startswith("_"))
 
 
+#: vLLM treats a temperature below this as greedy (`vllm.sampling_params._SAMPLING_EPS`).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _is_penalized_greedy(sampling_params: Any) -> bool:
+    """A greedy request whose penalties change which token wins. Its penalised argmax can sit outside the
+    probed clusters (measured in docs/flashhead-serving.md), so it is served by the dense head."""
+    if float(getattr(sampling_params, "temperature", 1.0) or 0.0) >= GREEDY_TEMPERATURE:
+        return False
+    return (abs(float(getattr(sampling_params, "presence_penalty", 0.0) or 0.0)) > 0.0
+            or abs(float(getattr(sampling_params, "frequency_penalty", 0.0) or 0.0)) > 0.0
+            or abs(float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0) - 1.0) > 0.0)
+
+
 def _is_set(value: Any, default: Any) -> bool:
+    """A dense-request field asks for something: not None, False or empty, and not its default."""
     if value is None or value is False:
         return False
     if isinstance(value, (list, tuple, dict, set, frozenset)) and not value:
         return False
     return value != default
+
+
+def _differs(value: Any, default: Any) -> bool:
+    """An unknown field is set when it is not its default (a literal `False` against a `True` default
+    included); an empty collection counts as an unset `None`."""
+    def unset(x: Any) -> bool:
+        return x is None or (isinstance(x, (list, tuple, dict, set, frozenset)) and not x)
+
+    if unset(value) and unset(default):
+        return False
+    return value != default
+
+
+def request_stop_ids(sampling_params: Any) -> tuple[int, ...]:
+    """Every token id vLLM stops this request on: `all_stop_token_ids` holds the tokenizer's EOS (which
+    `update_from_generation_config` keeps out of `stop_token_ids`), generation_config's EOS ids and the
+    request's own `stop_token_ids`; set even with `ignore_eos` (min_tokens masks them)."""
+    if sampling_params is None:
+        return ()
+    ids = getattr(sampling_params, "all_stop_token_ids", None)
+    if ids is None:
+        ids = getattr(sampling_params, "stop_token_ids", None)
+    extra = getattr(sampling_params, "stop_token_ids", None) or ()
+    return tuple(sorted({int(i) for i in (*(ids or ()), *extra)}))
 
 
 def _is_off(value: Any) -> bool:
@@ -111,10 +133,12 @@ def request_dense_reason(sampling_params: Any) -> DenseReason | None:
     extra_args = getattr(sampling_params, "extra_args", None) or {}
     if _is_off(extra_args.get(OPT_OUT_ARG)):
         return DenseReason.OPT_OUT
+    if _is_penalized_greedy(sampling_params):
+        return DenseReason.PENALIZED_GREEDY
     for name in _request_fields(sampling_params):
         if name in DENSE_REQUEST_FIELDS or name in FLASHHEAD_REQUEST_FIELDS:
             continue
-        if _is_set(getattr(sampling_params, name, None), getattr(default, name, None)):
+        if _differs(getattr(sampling_params, name, None), getattr(default, name, None)):
             return DenseReason.UNCLASSIFIED
     return None
 
@@ -125,7 +149,7 @@ class StepRows:
 
     dense_codes: np.ndarray  # uint8 [rows], 0 = FlashHead may serve the row
     sampled: np.ndarray  # bool [rows], True for rows that sample (temperature > 0)
-    stop_ids: tuple[int, ...] = ()  # the step's requests' own stop_token_ids, scored exactly on every row
+    stop_ids: tuple[int, ...] = ()  # every id the step's requests stop on, scored exactly on every row
 
     @property
     def num_rows(self) -> int:

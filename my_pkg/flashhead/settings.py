@@ -1,4 +1,8 @@
-"""FlashHead's settings in one worker: their defaults at start-up (environment, then config.json)."""
+"""FlashHead's serving settings and their defaults at start-up (environment, then config.json).
+
+The engine's controller starts from them in every worker, and `my-pkg flashhead eval` measures with
+them, so the eval sees what a server would do; neither half imports the other for it.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from my_pkg import env
-from my_pkg.contract import UPDATE_FIELDS
 
-__all__ = ["UPDATE_FIELDS", "FlashHeadSettings", "default_settings"]
+__all__ = ["FlashHeadSettings", "default_settings"]
 
 logger = logging.getLogger(f"vllm.{__name__}")
 

@@ -1,0 +1,15 @@
+"""FlashHead in one vLLM worker, without vLLM: the controller and its parts.
+
+- `controller`: `FlashHeadController`, one model's FlashHead from its assets to each decode step
+  and the admin API's status, validate and apply.
+- `rows`: which rows of a step FlashHead may serve (request classification, `StepRows`).
+- `pins`: the token ids scored exactly on every row, with their cached weight rows.
+- `telemetry`: counters, the head's timer and the live fidelity check.
+
+Where vLLM meets them is `my_pkg.engine.patches`.
+"""
+
+from my_pkg.engine.flashhead.controller import FlashHeadController, status_without_controller
+from my_pkg.engine.flashhead.rows import StepRows
+
+__all__ = ["FlashHeadController", "StepRows", "status_without_controller"]

@@ -1,0 +1,421 @@
+"""The FlashHead controller: one model's FlashHead in one worker, through a decode step and the admin API.
+
+One `FlashHeadController` hangs off the logits processor of a model that ships FlashHead assets
+(`patches/logits_processor.py` makes it; `patches/runner_hooks.py` finds it from a model runner
+or a worker). Its life, in order:
+
+1. `__init__` / `from_model_dir`: reads the assets (centroids and the cluster map) while vLLM
+   constructs the model, or records why FlashHead cannot serve it (`ReasonCode`).
+2. `prepare(weight)`: right after vLLM loaded the weights, builds the head over the loaded LM head
+   (shared, not copied), its sampled-row tables and kernels, so that vLLM's KV-cache sizing counts
+   their memory (`bind` + `warm_up`; the first logits call does it when the load hook could not).
+3. Each decode step: the model runner arms it with the step's rows (`arm`, `StepRows`), and
+   `compute_logits` serves every row that may use FlashHead with `FlashHead.step_logits` (exact
+   candidate logits and -inf elsewhere for greedy rows, estimates elsewhere for sampled rows,
+   exact logits for the pinned ids) and the other rows with vLLM's dense logits.
+4. The admin API: `status()` (a `FlashHeadState`), `validate(update)` and `apply(update)` (a
+   `FlashHeadUpdate`; the contract already checked its types, this checks what the model decides).
+
+Its parts live beside it: which rows a step may serve (`rows.py`), the counters, timer and fidelity
+check (`telemetry.py`), the pinned ids (`pins.py`) and the start-up settings
+(`my_pkg.flashhead.settings`). This module imports torch, numpy and the contract; vLLM objects
+reach it as plain arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from my_pkg.contract import DenseReason, FlashHeadState, FlashHeadUpdate, ReasonCode
+from my_pkg.engine.flashhead.pins import PinnedRows
+from my_pkg.engine.flashhead.rows import StepRows
+from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer
+from my_pkg.flashhead.settings import default_settings
+from my_pkg.flashhead.staging import index_tensor
+
+__all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller"]
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+NO_ASSETS_REASON = "the model has no FlashHead assets (no flash_head_cache_dir in config.json)"
+DISABLED_REASON = "disabled (MY_PKG_FLASHHEAD=0 or PUT enabled=false)"
+NOT_BUILT_REASON = "not built yet (built right after vLLM loads the weights, or at the first logits call)"
+
+
+class FlashHeadController:
+    """FlashHead for one model in one worker (see the module docstring for its life)."""
+
+    def __init__(
+        self,
+        *,
+        centroids: torch.Tensor | None,
+        assignments: torch.Tensor | None,
+        config: dict[str, Any],
+        vocab_size: int,
+        unavailable: tuple[ReasonCode, str] | None = None,
+        pinned_ids: Iterable[int] = (),
+    ) -> None:
+        self.vocab_size = vocab_size
+        #: Scored exactly on every FlashHead row: EOS and special tokens of the model and its tokenizer.
+        self.pinned_ids = tuple(sorted({int(i) for i in pinned_ids if 0 <= int(i) < vocab_size}))
+        self.counters = Counters()
+        self._timer = HeadTimer(self.counters)
+        self._fidelity = FidelityCheck(self.counters)
+        self._pins: PinnedRows | None = None
+        self._step_source: Callable[[], StepRows | None] | None = None
+        self._warned: set[str] = set()
+        self.head: Any = None
+        self.vocab_range: tuple[int, int] | None = None  # this rank's vocabulary shard under tensor parallelism
+        self._centroids = centroids
+        self._assignments = assignments
+        self.unavailable_code: ReasonCode | None = None
+        self.unavailable_reason: str | None = None
+        if unavailable is not None:
+            self.unavailable_code, self.unavailable_reason = unavailable
+        elif centroids is None or assignments is None:
+            self.unavailable_code, self.unavailable_reason = "no_assets", NO_ASSETS_REASON
+        elif int(assignments.shape[0]) != vocab_size:
+            self.unavailable_code = "assets_mismatch"
+            self.unavailable_reason = (
+                f"FlashHead assets do not match the model: cluster_assignments covers "
+                f"{assignments.shape[0]} tokens, the vocabulary has {vocab_size}"
+            )
+        self.num_clusters: int | None = None
+        self.cluster_size: int | None = None
+        if self.unavailable_reason is None:
+            self.num_clusters = int(centroids.shape[0])
+            self.cluster_size = int(torch.bincount(assignments.flatten().long()).max())
+        self.settings = default_settings(config, self.num_clusters)
+        if self.unavailable_reason is not None:
+            self._centroids = self._assignments = None
+            logger.warning("my_pkg: FlashHead not active, dense head in use: %s", self.unavailable_reason)
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | None, config: dict[str, Any], *, vocab_size: int,
+        unavailable: tuple[ReasonCode, str] | None = None, pinned_ids: Iterable[int] = (),
+    ) -> FlashHeadController:
+        """Read the assets named by config.json; a failure leaves the controller unavailable.
+
+        `pinned_ids` (the tokenizer's EOS and special ids) are pinned beside the ids the model
+        directory names (`stop_and_special_token_ids`)."""
+        centroids = assignments = None
+        pinned = set(pinned_ids)
+        if unavailable is None:
+            try:
+                from my_pkg.flashhead.assets import load_assets, stop_and_special_token_ids
+
+                if model_dir is None:
+                    raise FileNotFoundError("the model directory could not be resolved")
+                centroids, assignments = load_assets(Path(model_dir), config)
+                pinned.update(stop_and_special_token_ids(model_dir, config))
+            except Exception as exc:  # noqa: BLE001 - bad assets mean dense, never a crash
+                unavailable = ("assets_invalid", f"FlashHead assets could not be loaded: {exc}")
+        return cls(centroids=centroids, assignments=assignments, config=config, vocab_size=vocab_size,
+                   unavailable=unavailable, pinned_ids=pinned)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable_reason is None
+
+    def make_unavailable(self, code: ReasonCode, reason: str) -> None:
+        if self.unavailable_reason is None:
+            self.unavailable_code, self.unavailable_reason = code, reason
+            logger.warning("my_pkg: FlashHead not active, dense head in use: %s", reason)
+
+    def prepare(self, weight: torch.Tensor, vocab_range: tuple[int, int] | None = None) -> None:
+        """Build the head over the loaded `weight` and warm it up on zero rows (kernels, sampled-row
+        tables): called right after vLLM loads the weights, so its memory is counted before vLLM
+        sizes the KV cache. Never raises; a failure leaves the model dense with its reason."""
+        if self.head is not None or not self.available:
+            return
+        self.bind(weight, vocab_range)
+        if self.head is not None:
+            self.warm_up(torch.zeros((2, weight.shape[1]), dtype=weight.dtype, device=weight.device))
+
+    def bind(self, weight: torch.Tensor, vocab_range: tuple[int, int] | None = None) -> None:
+        """Build the head over `weight` (the loaded LM head, shared, not copied).
+
+        Under tensor parallelism `weight` is this rank's shard of vLLM's vocab-parallel head, whose
+        rows are the tokens `vocab_range = (start, end)`: the head scores only the candidates in that
+        range (the probes are the same on every rank: the centroids are global), and its logits are
+        this shard's columns, which vLLM's gather puts together.
+        """
+        if self.head is not None or not self.available:
+            return
+        from my_pkg.flashhead.head import FlashHead
+
+        assert self._centroids is not None and self._assignments is not None
+        start, end = vocab_range if vocab_range is not None else (0, self.vocab_size)
+        try:
+            if not 0 <= start < end <= self.vocab_size:
+                raise ValueError(f"vocabulary shard [{start}, {end}) is outside [0, {self.vocab_size})")
+            if weight.shape[1] != self._centroids.shape[1]:
+                raise ValueError(
+                    f"centroids have hidden size {self._centroids.shape[1]}, "
+                    f"the head has {weight.shape[1]}"
+                )
+            self.head = FlashHead(
+                weight,
+                self._centroids.to(device=weight.device, dtype=weight.dtype),
+                self._assignments[start:end].to(device=weight.device),
+                vocab_size=end - start,
+                allow_empty_clusters=vocab_range is not None,
+                n_probes=self.settings.n_probes,
+                backend=self.settings.backend,
+                sampled_n_probes=self.settings.sampled_n_probes,
+                sampled_rank=self._sampled_rank(weight.shape[1]),
+            )
+            self.vocab_range = vocab_range
+            self._pins = PinnedRows(self.pinned_ids, (start, end))
+        except Exception as exc:  # noqa: BLE001
+            self.make_unavailable("build_failed", f"FlashHead could not be built: {exc}")
+        finally:
+            self._centroids = self._assignments = None
+        if self.head is not None:
+            logger.info(
+                "my_pkg: FlashHead active: %d clusters of %d, n_probes=%d, backend=%s",
+                self.head.num_clusters, self.head.cluster_size, self.head.n_probes, self.head.backend,
+            )
+
+    def warm_up(self, hidden: torch.Tensor) -> None:
+        """Run the head once on `hidden[:2]`, greedy and sampled, so that kernels are compiled and the
+        sampled rows' tables built before the first request; a head that fails here is dropped and the
+        model stays dense."""
+        if self.head is None:
+            return
+        rows = hidden[:2].detach()
+        try:
+            pins = self._pins.get((), self.head.weight) if self._pins is not None else None
+            for sampled in (False, True) if self.settings.probe_sampling else (False,):
+                logits = self.head.step_logits(rows, sampled=np.full(rows.shape[0], sampled))
+                if self._pins is not None:
+                    self._pins.score(logits, rows, pins, lambda x: x)
+        except Exception as exc:  # noqa: BLE001
+            self.head = None
+            self.make_unavailable("warm_up_failed", f"FlashHead failed its warm-up step: {type(exc).__name__}: {exc}")
+            return
+        logger.info("my_pkg: FlashHead extra memory %.1f MiB", self.extra_memory_bytes / 2**20)
+
+    @property
+    def extra_memory_bytes(self) -> int | None:
+        """Device bytes FlashHead holds beyond vLLM's head weight: centroids, cluster map, the sampled
+        rows' tables once built (at `prepare`) and the pinned ids' cached weight rows."""
+        if self.head is None:
+            return None
+        return int(self.head.extra_memory_bytes + (self._pins.nbytes if self._pins is not None else 0))
+
+    # ---- one decode step -------------------------------------------------------------------
+
+    def arm(self, source: Callable[[], StepRows | None]) -> None:
+        """Announce that the next logits call is a decode step whose rows `source` describes."""
+        self._step_source = source
+
+    def disarm(self) -> None:
+        self._step_source = None
+
+    def take_step(self) -> StepRows | None:
+        """The rows of the armed step, once; None for any other logits call."""
+        source, self._step_source = self._step_source, None
+        return source() if source is not None else None
+
+    def serve_step_dense(self, num_rows: int, reason: str) -> None:
+        """Consume the armed step, if any, as `num_rows` rows served dense for `reason`."""
+        source, self._step_source = self._step_source, None
+        if source is not None:
+            self.counters.steps += 1
+            self.counters.rows_dense[reason] += num_rows
+
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,
+        rows: StepRows,
+        dense: Callable[[torch.Tensor], torch.Tensor],
+        postprocess: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Logits `[rows, vocab]` for one decode step, without making the host wait for the device.
+
+        `dense` computes vLLM's own logits for some rows; `postprocess` applies
+        the model's logit scale/soft-cap to the finite logits FlashHead makes.
+        """
+        num_rows = hidden.shape[0]
+        self.counters.steps += 1
+        if rows.num_rows != num_rows:
+            return self._all_dense(hidden, dense, "unexpected_rows")
+        if not self.settings.enabled:
+            return self._all_dense(hidden, dense, "disabled")
+        if self.head is None:
+            return self._all_dense(hidden, dense, "unavailable")
+        threshold = self.settings.dense_batch_threshold
+        if threshold is not None and num_rows > threshold:
+            return self._all_dense(hidden, dense, "batch_threshold")
+        dense_rows = np.flatnonzero(rows.dense_codes)
+        if dense_rows.size:
+            reasons = np.bincount(rows.dense_codes[dense_rows], minlength=max(DenseReason) + 1)
+            for code in np.flatnonzero(reasons):
+                self.counters.rows_dense[DenseReason(code).label] += int(reasons[code])
+        if dense_rows.size == num_rows:
+            return dense(hidden)
+
+        token = self._timer.start(hidden.device)
+        flash_hidden, sampled, flash_index = hidden, rows.sampled, None
+        if dense_rows.size:  # score candidates only for the rows FlashHead serves
+            flash_rows = np.flatnonzero(rows.dense_codes == 0)
+            flash_index = index_tensor(flash_rows, hidden.device)
+            flash_hidden, sampled = hidden.index_select(0, flash_index), sampled[flash_rows]
+        # What vLLM's sampler gets (the eval measures the same call): candidates, estimated logits
+        # for sampled rows, then every pinned id (EOS, specials, the step's stop ids) exact.
+        flash_logits = self.head.step_logits(
+            flash_hidden,
+            sampled=sampled if self.settings.probe_sampling else None,
+            postprocess=postprocess,
+        )
+        assert self._pins is not None
+        self._pins.score(flash_logits, flash_hidden, self._pins.get(rows.stop_ids, self.head.weight), postprocess)
+        if flash_index is None:
+            logits = flash_logits
+        else:
+            logits = torch.empty((num_rows, self.head.vocab_size), dtype=flash_logits.dtype, device=hidden.device)
+            logits.index_copy_(0, flash_index, flash_logits)
+        self._timer.stop(token)
+        if self.vocab_range is None:  # a shard's best token says nothing of the row's
+            self._fidelity.check(self.settings.fidelity_every, flash_hidden, logits, flash_index, dense)
+        if dense_rows.size:
+            index = index_tensor(dense_rows, hidden.device)
+            logits[index] = dense(hidden.index_select(0, index)).to(logits.dtype)
+        self.counters.rows_flashhead += num_rows - int(dense_rows.size)
+        return logits
+
+    def _all_dense(self, hidden: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor], reason: str) -> torch.Tensor:
+        self.counters.rows_dense[reason] += hidden.shape[0]
+        return dense(hidden)
+
+    def record_fallback(self, exc: BaseException, num_rows: int) -> None:
+        """Count a step that failed inside FlashHead and went dense; log each kind once."""
+        self.counters.fallbacks += 1
+        self.counters.rows_dense["error"] += num_rows
+        kind = type(exc).__name__
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(
+                "my_pkg: FlashHead step failed, served dense instead (%s: %s); "
+                "further %s failures are only counted", kind, exc, kind, exc_info=exc,
+            )
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def status(self) -> FlashHeadState:
+        """The status reply; never waits for the device (work still running is counted by a later call)."""
+        self._timer.collect(block=False)
+        self._fidelity.collect()
+        head = self.head
+        active = head is not None and self.settings.enabled
+        code: ReasonCode | None
+        if active:
+            code, reason = None, None
+        elif not self.available:
+            code, reason = self.unavailable_code, self.unavailable_reason
+        elif not self.settings.enabled:
+            code, reason = "disabled", DISABLED_REASON
+        else:
+            code, reason = "not_built", NOT_BUILT_REASON
+        return FlashHeadState(
+            available=self.available,
+            active=active,
+            reason=reason,
+            reason_code=code,
+            enabled=self.settings.enabled,
+            num_clusters=self.num_clusters,
+            cluster_size=self.cluster_size,
+            vocab_size=self.vocab_size,
+            n_probes=self.settings.n_probes,
+            dense_batch_threshold=self.settings.dense_batch_threshold,
+            probe_sampling=self.settings.probe_sampling,
+            sampled_n_probes=self._sampled_n_probes(),
+            sampled_rank=self._status_sampled_rank(),
+            pinned_token_ids=list(self.pinned_ids),
+            fidelity_every=self.settings.fidelity_every,
+            backend=head.backend if head is not None else None,
+            extra_memory_bytes=self.extra_memory_bytes,
+            counters=self.counters.snapshot(),
+        )
+
+    def _sampled_rank(self, hidden_size: int) -> int:
+        """The configured rank, at most the hidden size (the head refuses more)."""
+        from my_pkg.flashhead.tail_estimate import default_tail_rank
+
+        rank = self.settings.sampled_rank
+        return default_tail_rank(hidden_size) if rank is None else min(rank, hidden_size)
+
+    def _status_sampled_rank(self) -> int | None:
+        if self.head is not None:
+            return self.head.sampled_rank
+        if self._centroids is not None:
+            return self._sampled_rank(int(self._centroids.shape[1]))
+        return self.settings.sampled_rank
+
+    def _sampled_n_probes(self) -> int | None:
+        """Clusters a sampled row probes now (the head's rule when not set)."""
+        if self.head is not None:
+            return self.head.sampled_n_probes
+        if self.settings.sampled_n_probes is not None or self.num_clusters is None:
+            return self.settings.sampled_n_probes
+        from my_pkg.flashhead.head import default_sampled_n_probes
+
+        return default_sampled_n_probes(self.settings.n_probes, self.num_clusters)
+
+    def validate(self, update: FlashHeadUpdate) -> list[str]:
+        """What the served model refuses in `update` (the contract has checked its fields and types):
+        FlashHead must be available, and `n_probes` at most the number of clusters."""
+        update = _as_update(update)
+        if not self.available:
+            return [f"FlashHead is not available on this model: {self.unavailable_reason}"]
+        if update.n_probes is not None and self.num_clusters is not None and update.n_probes > self.num_clusters:
+            return [f"n_probes must be <= the number of clusters ({self.num_clusters})"]
+        return []
+
+    def apply(self, update: FlashHeadUpdate) -> None:
+        """Apply an update that `validate` accepted; effective from the next step."""
+        update = _as_update(update)
+        for name in update.model_fields_set:
+            setattr(self.settings, name, getattr(update, name))
+        if update.n_probes is not None and self.head is not None:
+            self.head.n_probes = update.n_probes
+        logger.info("my_pkg: FlashHead settings now %s", asdict(self.settings))
+
+
+def _as_update(update: FlashHeadUpdate | dict[str, Any]) -> FlashHeadUpdate:
+    """The contract model; a plain mapping (an older caller) is validated into it."""
+    return update if isinstance(update, FlashHeadUpdate) else FlashHeadUpdate.model_validate(update)
+
+
+def status_without_controller(code: ReasonCode = "no_assets", reason: str = NO_ASSETS_REASON) -> FlashHeadState:
+    """Status of a worker whose model has no FlashHead controller, for `reason` (every field set)."""
+    return FlashHeadState(
+        available=False,
+        active=False,
+        reason=reason,
+        reason_code=code,
+        enabled=False,
+        num_clusters=None,
+        cluster_size=None,
+        vocab_size=None,
+        n_probes=None,
+        dense_batch_threshold=None,
+        probe_sampling=None,
+        sampled_n_probes=None,
+        sampled_rank=None,
+        pinned_token_ids=None,
+        fidelity_every=None,
+        backend=None,
+        extra_memory_bytes=None,
+        counters=Counters().snapshot(),
+    )

@@ -1,0 +1,125 @@
+"""What one worker's FlashHead reports: its counters, the head's timer and the live fidelity check.
+
+None of it makes the host wait for the device: the timer records CUDA events and the fidelity
+check keeps its sum on the device, both collected by `status()` once the device got there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from my_pkg.contract import FlashHeadCounters
+
+__all__ = ["Counters", "FidelityCheck", "HeadTimer"]
+
+
+@dataclass
+class Counters:
+    """Counters since the worker started; `snapshot()` is the contract's `FlashHeadCounters`."""
+
+    steps: int = 0
+    rows_flashhead: int = 0
+    rows_dense: Counter = field(default_factory=Counter)  # `contract.DenseRowReason` -> rows
+    fallbacks: int = 0
+    head_seconds: float = 0.0
+    fidelity_rows: int = 0
+    fidelity_agreed: int = 0
+
+    def snapshot(self) -> FlashHeadCounters:
+        return FlashHeadCounters(
+            steps=self.steps,
+            rows_flashhead=self.rows_flashhead,
+            rows_dense=dict(sorted(self.rows_dense.items())),
+            fallbacks=self.fallbacks,
+            head_seconds=round(self.head_seconds, 6),
+            fidelity_rows=self.fidelity_rows,
+            fidelity_agreed=self.fidelity_agreed,
+        )
+
+
+class HeadTimer:
+    """Accumulates time spent in the head without a host sync on GPU.
+
+    CPU steps are timed with perf_counter; CUDA steps record events whose
+    elapsed time is collected once they have completed.
+    """
+
+    def __init__(self, counters: Counters) -> None:
+        self._counters = counters
+        self._pending: list[tuple[Any, Any]] = []
+
+    def start(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, token: Any) -> None:
+        if isinstance(token, float):
+            self._counters.head_seconds += time.perf_counter() - token
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((token, end))
+        self.collect(block=False)
+
+    def collect(self, block: bool) -> None:
+        while self._pending:
+            start, end = self._pending[0]
+            if not block and not end.query():
+                return
+            end.synchronize()
+            self._counters.head_seconds += start.elapsed_time(end) / 1000.0
+            self._pending.pop(0)
+
+
+class FidelityCheck:
+    """Live fidelity telemetry: one FlashHead row in `every` also gets the dense logits, and counts as
+    agreed when FlashHead's best token is a dense argmax (ties agree)."""
+
+    def __init__(self, counters: Counters) -> None:
+        self._counters = counters
+        self._credit = 0
+        self._agreed: torch.Tensor | None = None  # on the device: no host sync per check
+        self._rows_pending = 0  # rows checked into `_agreed`, not yet in the counters
+        self._ready: Any = None  # CUDA event recorded after the last check
+
+    def check(
+        self,
+        every: int,
+        flash_hidden: torch.Tensor,
+        logits: torch.Tensor,
+        flash_index: torch.Tensor | None,
+        dense: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Check the step's first rows that `every` allows (`every <= 0`: off)."""
+        if every <= 0:
+            return
+        self._credit += int(flash_hidden.shape[0])
+        checks = min(int(flash_hidden.shape[0]), self._credit // every)
+        if checks <= 0:
+            return
+        self._credit -= checks * every
+        reference = dense(flash_hidden[:checks]).float()
+        served = logits[:checks] if flash_index is None else logits.index_select(0, flash_index[:checks])
+        picked = reference.gather(1, served.argmax(dim=1, keepdim=True)).squeeze(1)
+        agreed = (picked >= reference.max(dim=1).values).sum()
+        self._agreed = agreed if self._agreed is None else self._agreed + agreed
+        self._rows_pending += checks
+        if agreed.is_cuda:  # `collect` reads the sum once this event says the device got there
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def collect(self) -> None:
+        """Move the checks the device has finished into the counters, without waiting for it."""
+        if self._agreed is None or (self._ready is not None and not self._ready.query()):
+            return
+        self._counters.fidelity_agreed += int(self._agreed)
+        self._counters.fidelity_rows += self._rows_pending
+        self._agreed, self._ready, self._rows_pending = None, None, 0

@@ -1,0 +1,159 @@
+"""What the V1 and V2 model-runner hooks share: finding the controller, classifying a request,
+arming a step, building the head right after the weights load, and never raising into vLLM.
+
+`model_runner.py` (V1: `GPUModelRunner`, which the CPU runner subclasses) and
+`model_runner_v2.py` (Model Runner V2) differ only in where vLLM keeps a request's state and
+which call computes a step's logits; everything else is here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, TypeVar
+
+from my_pkg.engine.flashhead.controller import FlashHeadController
+from my_pkg.engine.flashhead.rows import DenseReason, StepRows, request_dense_reason, request_stop_ids
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+#: Set on every function a hook installs, so that applying twice wraps once.
+WRAPPED = "_my_pkg_wrapped"
+#: Where the controller of a runner's model is cached on the runner.
+CONTROLLER_ATTR = "_my_pkg_flashhead"
+_NOT_FOUND = object()
+_warned: set[str] = set()
+T = TypeVar("T")
+
+
+def warn_once(hook: str, exc: BaseException) -> None:
+    """Log a hook's failure once per hook; vLLM's own behaviour is kept."""
+    if hook not in _warned:
+        _warned.add(hook)
+        logger.warning("my_pkg: %s hook failed (%s: %s); vLLM's own behaviour kept", hook,
+                       type(exc).__name__, exc, exc_info=exc)
+
+
+def require(*methods: tuple[type, str]) -> None:
+    """Raise, changing nothing, when one of vLLM's `(class, method)` is missing."""
+    for owner, name in methods:
+        if not callable(getattr(owner, name, None)):
+            raise AttributeError(f"{owner.__module__}.{owner.__qualname__}.{name} is missing")
+
+
+# ---- the lookups -----------------------------------------------------------------------------
+
+def controller_of_runner(runner: Any) -> FlashHeadController | None:
+    """The controller of the model `runner` runs; looked up once the model is loaded, then cached."""
+    cached = runner.__dict__.get(CONTROLLER_ATTR, _NOT_FOUND)
+    if cached is not _NOT_FOUND:
+        return cached
+    if runner.__dict__.get("model") is None:
+        return None
+    get_model = getattr(runner, "get_model", None)
+    model = get_model() if callable(get_model) else runner.model  # unwraps CUDA-graph wrappers
+    found = None
+    for module in model.modules():
+        controller = module.__dict__.get(CONTROLLER_ATTR)
+        if isinstance(controller, FlashHeadController):
+            found = controller
+            break
+    runner.__dict__[CONTROLLER_ATTR] = found
+    return found
+
+
+def find_controller(worker: Any) -> FlashHeadController | None:
+    """The FlashHead controller of the model this worker runs, if any."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return None
+    return controller_of_runner(runner)
+
+
+# ---- a request, a step -----------------------------------------------------------------------
+
+def classify(sampling_params: Any) -> tuple[int, tuple[int, ...]]:
+    """`(dense code, stop ids)` of a request joining the batch: 0 when FlashHead may serve its rows;
+    a request that cannot be classified is dense (`unclassified`)."""
+    try:
+        reason = request_dense_reason(sampling_params)
+    except Exception:  # noqa: BLE001 - an odd request is served dense, never an error
+        reason = DenseReason.UNCLASSIFIED
+    try:
+        stop_ids = request_stop_ids(sampling_params)
+    except Exception:  # noqa: BLE001
+        stop_ids = ()
+    return (0 if reason is None else int(reason)), stop_ids
+
+
+def union_stop_ids(tables: Any) -> tuple[int, ...]:
+    """The sorted union of the stop-id tuples in `tables` (each request's, many of them equal)."""
+    ids: set[int] = set()
+    for distinct in set(tables):
+        ids.update(distinct)
+    return tuple(sorted(ids))
+
+
+def run_armed(controller: FlashHeadController | None, rows: Callable[[], StepRows], call: Callable[[], T]) -> T:
+    """`call()` (vLLM's own step) with the controller armed for its one logits call; always disarmed."""
+    if controller is None:
+        return call()
+    controller.arm(rows)
+    try:
+        return call()
+    finally:
+        controller.disarm()
+
+
+# ---- right after the weights load ------------------------------------------------------------
+
+def hook_load_model(owner: type) -> None:
+    """Wrap `owner.load_model` (when `owner` defines its own) to build the head right after it."""
+    original = owner.__dict__.get("load_model")
+    if original is None or getattr(original, WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        try:
+            prepare_after_load(self)
+        except Exception as exc:  # noqa: BLE001 - the first logits call builds it instead
+            warn_once("load_model", exc)
+        return result
+
+    setattr(load_model, WRAPPED, True)
+    owner.load_model = load_model
+
+
+def prepare_after_load(runner: Any) -> None:
+    """Build the controller's head over the LM head vLLM just loaded, before vLLM profiles memory
+    and sizes the KV cache; when the LM head cannot be told apart, the first logits call builds it."""
+    runner.__dict__.pop(CONTROLLER_ATTR, None)  # a (re)load: look the controller up again
+    controller = controller_of_runner(runner)
+    if controller is None or controller.head is not None or not controller.available:
+        return
+    lm_head = _lm_head_of(runner.get_model())
+    if lm_head is None:
+        logger.info("my_pkg: FlashHead is built at the first logits call (the LM head is not one module)")
+        return
+    from my_pkg.engine.patches.logits_processor import build_head
+
+    build_head(controller, lm_head)
+
+
+def _lm_head_of(model: Any) -> Any:
+    """The module whose weight the model computes its logits with: `model.lm_head` (tied or not), the
+    one `ParallelLMHead`, or the one vocab-parallel embedding (models that reuse it, e.g. Gemma)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, VocabParallelEmbedding):
+        return head
+    for kind in (ParallelLMHead, VocabParallelEmbedding):
+        found = [m for m in model.modules() if isinstance(m, kind)]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            return None
+    return None

@@ -1,0 +1,22 @@
+"""Shared by the engine tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def flashhead_hooks():
+    """Every FlashHead hook installed, as when vLLM resolves a FlashHead architecture; the
+    `LogitsProcessor` replacement is taken back afterwards so that other tests build vLLM's own."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from my_pkg.engine import patches
+
+    before = op_registry_oot.get("LogitsProcessor")
+    patches.on_flashhead_model()
+    yield patches
+    if before is None:
+        op_registry_oot.pop("LogitsProcessor", None)
+    else:
+        op_registry_oot["LogitsProcessor"] = before
