@@ -1,4 +1,4 @@
-"""GPU readiness check for FlashHead: Triton kernels against the torch reference, then timing.
+"""GPU readiness check for FlashHead: Triton kernels against the torch reference, then timing as served.
 
 Needs torch and Triton only (never vLLM). Two parts:
 
@@ -6,17 +6,19 @@ Needs torch and Triton only (never vLLM). Two parts:
    - stage 1: the probed clusters are a top-P of the centroid scores computed in float32;
    - stage 2: the Triton candidate logits (and the torch path's) match float32 logits of the
      same candidates within the dtype's tolerance (``TOLERANCES``), with identical token ids;
-   - greedy: the fused Triton greedy token is a candidate whose float32 logit is the best
-     within tolerance, at the default probe count and at full probes (then against the dense head);
+   - step: ``FlashHead.step_logits`` on the Triton backend (what serving calls) is finite exactly
+     on the candidates and the pinned ids, and its argmax is a candidate whose float32 logit is the
+     best within tolerance, at the default probe count and at full probes (then against the dense head);
    - ties: the smallest token id wins among equal logits.
    One line per case; the exit status is 1 when any case fails.
-2. Timing (CUDA only), with ``triton.testing.do_bench`` (median ms): FlashHead greedy (stage 1 +
-   fused stage 2) against cuBLAS dense (``F.linear`` + ``argmax``) and against a fused dense
-   argmax (the greedy kernel over every row: one launch, no logits written), batch 1 to 64.
+2. Timing (CUDA only), with ``triton.testing`` (median ms), of the serving path: ``step_logits`` for
+   greedy rows, sampled rows and a mixed batch, with pinned ids, against dense ``F.linear`` into the
+   same ``[B, V]`` logits, batch 1 to 256.  By default each step is captured in a CUDA graph and
+   replayed (``--eager`` times eager launches instead).
 
-    python bench/gpu_check.py                      # CUDA: correctness, then timing
+    python bench/gpu_check.py                      # CUDA: correctness, then timing (CUDA graphs)
     python bench/gpu_check.py --json gpu.json      # also write every figure as JSON
-    python bench/gpu_check.py --cuda-graphs        # time CUDA-graph replays (as vLLM decodes)
+    python bench/gpu_check.py --eager              # time eager launches instead of graph replays
     python bench/gpu_check.py --interpret          # no GPU: correctness only, Triton interpreter, tiny shapes
 
 Exit status: 0 every case passed, 1 a correctness case failed, 2 no CUDA device (without ``--interpret``).
@@ -41,7 +43,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from my_pkg.flashhead import FlashHead, default_n_probes  # noqa: E402
-from my_pkg.flashhead.head import build_members  # noqa: E402
 from my_pkg.flashhead.kernels import torch_ref, triton_available  # noqa: E402
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_CUDA = 0, 1, 2
@@ -54,7 +55,9 @@ GPU_BATCHES = (1, 3, 8, 64)
 # The interpreter runs every Triton program on the CPU: a few tiny shapes, sizes not multiples of anything.
 INTERPRET_SHAPES = ((333, 129, 3), (517, 37, 1))
 TIMING_SHAPES = ((128256, 2048), (128256, 4096), (151936, 896))
-TIMING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+TIMING_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TIMING_KINDS = ("greedy", "sampled", "mixed")
+PINNED = 3  # EOS and the like, scored on every row
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class CaseResult:
     probes: int = 0
     logits_max_error: float = 0.0
     torch_path_max_error: float = 0.0
-    greedy_matches_torch_path: bool = True  # informative: rounding may pick another equally good token
+    argmax_matches_torch_path: bool = True  # informative: rounding may pick another equally good token
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -152,7 +155,7 @@ def _check_best(token: torch.Tensor, reference: torch.Tensor, best: torch.Tensor
 
 
 def check_case(head: RandomHead, batch: int, seed: int) -> CaseResult:
-    """Stage 1, stage 2 and greedy of the Triton backend against float32 torch math, for one batch."""
+    """Stage 1, stage 2 and the served step of the Triton backend against float32 torch math, for one batch."""
     from my_pkg.flashhead.kernels import triton_kernels
 
     dtype, device = head.weight.dtype, head.weight.device
@@ -196,20 +199,28 @@ def check_case(head: RandomHead, batch: int, seed: int) -> CaseResult:
     if not torch.equal(torch_ids, want_ids) or bad:
         errors.append(f"stage 2: torch path off by {result.torch_path_max_error:.3g} (tolerance {tol})")
 
-    # Greedy over the default probes: a candidate, and the best one within tolerance.
-    token = triton_kernels.greedy(hidden, head.weight, triton_head.members, probes)
+    # The served step over the default probes: finite exactly on the candidates and pinned ids; its argmax
+    # (pins left out) a candidate, and the best one within tolerance.
+    pins = torch.tensor([0, head.vocab - 1], device=device)
+    step = triton_head.step_logits(hidden, pinned=pins)
+    finite = torch.zeros(step.shape, dtype=torch.bool, device=device).scatter_(1, want_ids, True)
+    finite[:, pins] = True
+    if not torch.equal(torch.isfinite(step), finite):
+        errors.append("step: finite logits are not exactly the candidates and the pinned ids")
+    token = triton_head.step_logits(hidden).argmax(dim=1)
     if not bool((want_ids == token.view(-1, 1)).any(dim=1).all()):
-        errors.append("greedy: the chosen token is not a candidate of its row")
+        errors.append("step: the argmax is not a candidate of its row")
     elif short := _check_best(token, dense_fp32, want_logits.max(dim=1).values, tol):
-        errors.append(f"greedy: {short} row(s) picked a token worse than the best candidate beyond tolerance")
-    result.greedy_matches_torch_path = torch.equal(token, torch_ref.greedy_from_candidates(torch_ids, torch_logits))
+        errors.append(f"step: {short} row(s) pick a token worse than the best candidate beyond tolerance")
+    torch_step = head.flashhead("torch", n_probes).step_logits(hidden)
+    result.argmax_matches_torch_path = torch.equal(token, torch_step.argmax(dim=1))
 
     # Full probes: FlashHead is the dense head.
     triton_head.n_probes = num_clusters
-    token = triton_head.greedy(hidden)
+    token = triton_head.step_logits(hidden).argmax(dim=1)
     dense_best = dense_fp32[:, : head.vocab].max(dim=1).values
     if bool((token >= head.vocab).any()) or bool((token < 0).any()):
-        errors.append("full probes: greedy returned a token outside the vocabulary")
+        errors.append("full probes: the argmax is a token outside the vocabulary")
     elif short := _check_best(token, dense_fp32, dense_best, tol):
         errors.append(f"full probes: {short} row(s) differ from the dense argmax beyond tolerance")
     return result
@@ -223,7 +234,7 @@ def check_ties(dtype: torch.dtype, device: torch.device) -> CaseResult:
     weight[[40, 20, 9], 0] = -0.5
     head = FlashHead(weight.to(device, dtype), torch.randn(3, 4).to(device, dtype), torch.arange(48) % 3,
                      n_probes=3, backend="triton")
-    got = head.greedy(torch.tensor([[1.0, 0, 0, 0]], device=device, dtype=dtype)).tolist()
+    got = head.step_logits(torch.tensor([[1.0, 0, 0, 0]], device=device, dtype=dtype)).argmax(dim=1).tolist()
     if got != [9]:
         result.errors.append(f"expected token 9, got {got}")
     return result
@@ -274,17 +285,12 @@ def exact_matmuls() -> Iterator[None]:
 # ---- timing ------------------------------------------------------------------------------------
 
 
-def fused_dense_argmax(weight: torch.Tensor, vocab: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Dense greedy as one fused Triton GEMV-argmax: the FlashHead greedy kernel over every row."""
-    from my_pkg.flashhead.kernels import triton_kernels
+def sampled_mask(kind: str, batch: int):
+    """The ``sampled`` argument serving passes for a batch of this kind (mixed: every other row samples)."""
+    import numpy as np
 
-    members = build_members(torch.arange(vocab) // CLUSTER_SIZE).to(weight.device)
-    all_clusters = torch.arange(members.shape[0], device=weight.device).view(1, -1)
-
-    def run(hidden: torch.Tensor) -> torch.Tensor:
-        return triton_kernels.greedy(hidden, weight, members, all_clusters.expand(hidden.shape[0], -1))
-
-    return run
+    return {"greedy": np.zeros(batch, bool), "sampled": np.ones(batch, bool),
+            "mixed": np.arange(batch) % 2 == 1}[kind]
 
 
 def _bench(fn: Callable[[], Any], cuda_graphs: bool) -> float:
@@ -296,8 +302,8 @@ def _bench(fn: Callable[[], Any], cuda_graphs: bool) -> float:
 
 
 def run_timing(device: torch.device, shapes: list[tuple[int, int]], batches: list[int], dtype: torch.dtype,
-               cuda_graphs: bool, compiled: bool) -> list[dict[str, Any]]:
-    """Median ms per greedy step for each shape and batch; prints one table per shape."""
+               cuda_graphs: bool, kinds: tuple[str, ...] = TIMING_KINDS) -> list[dict[str, Any]]:
+    """Median ms of one served step (``step_logits``) per kind, and of the dense head into the same logits."""
     tables = []
     print(f"\ntiming: median ms of {'CUDA-graph replays' if cuda_graphs else 'eager launches'} (triton.testing)")
     for vocab, hidden in shapes:
@@ -306,57 +312,35 @@ def run_timing(device: torch.device, shapes: list[tuple[int, int]], batches: lis
         n_probes = default_n_probes(num_clusters)
         flash = head.flashhead("triton", n_probes)
         dense_weight = head.weight[:vocab]
-        fused = fused_dense_argmax(head.weight, vocab)
-        compiled_dense = _compiled_dense(dense_weight) if compiled else None
-        print(f"\nV={vocab:,} H={hidden:,} {DTYPE_NAMES[dtype]}: {num_clusters:,} clusters, {n_probes} probes "
-              f"({num_clusters + n_probes * flash.cluster_size:,} of {vocab:,} rows scored)")
-        header = "batch | FlashHead ms | stage 1 ms | cuBLAS dense ms | fused dense ms | vs cuBLAS | vs fused"
-        print(header + (" | compiled dense ms | vs compiled" if compiled_dense else ""))
+        pins = torch.arange(vocab - PINNED, vocab, device=device)
+        flash.step_logits(torch.zeros(1, hidden, device=device, dtype=dtype), sampled=sampled_mask("sampled", 1))
+        print(f"\nV={vocab:,} H={hidden:,} {DTYPE_NAMES[dtype]}: {num_clusters:,} clusters, {n_probes} probes; sampled "
+              f"rows {flash.sampled_n_probes} probes + rank-{flash.sampled_rank} estimate; {PINNED} pinned ids")
+        print("batch | dense ms | " + " | ".join(f"{k} ms | vs dense" for k in kinds) + " | stage 1 ms")
         rows = []
         for batch in batches:
             h = torch.randn(batch, hidden, device=device).to(dtype)
-            reference = torch.nn.functional.linear(h.float(), dense_weight.float())
-            agree = _check_best(fused(h), reference, reference.max(dim=1).values, TOLERANCES[dtype]) == 0
-            del reference
-            row = {
-                "batch": batch,
-                "flashhead_ms": _bench(lambda: flash.greedy(h), cuda_graphs),
-                "stage1_ms": _bench(lambda: flash.select_probes(h), cuda_graphs),
-                "cublas_dense_ms": _bench(lambda: torch.nn.functional.linear(h, dense_weight).argmax(dim=1),
-                                          cuda_graphs),
-                "fused_dense_ms": _bench(lambda: fused(h), cuda_graphs),
-                "fused_dense_agrees": agree,
-                "compiled_dense_ms": _bench(lambda: compiled_dense(h), cuda_graphs) if compiled_dense else None,
-            }
-            row["speedup_vs_cublas"] = row["cublas_dense_ms"] / row["flashhead_ms"]
-            row["speedup_vs_fused"] = row["fused_dense_ms"] / row["flashhead_ms"]
-            line = (f"{batch:5d} | {row['flashhead_ms']:12.4f} | {row['stage1_ms']:10.4f} | "
-                    f"{row['cublas_dense_ms']:15.4f} | {row['fused_dense_ms']:14.4f} | "
-                    f"{row['speedup_vs_cublas']:8.2f}x | {row['speedup_vs_fused']:7.2f}x")
-            if compiled_dense:
-                row["speedup_vs_compiled"] = row["compiled_dense_ms"] / row["flashhead_ms"]
-                line += f" | {row['compiled_dense_ms']:17.4f} | {row['speedup_vs_compiled']:11.2f}x"
-            print(line + ("" if agree else "   (fused dense argmax disagrees with cuBLAS!)"), flush=True)
+            row: dict[str, Any] = {"batch": batch,
+                                   "dense_ms": _bench(lambda: torch.nn.functional.linear(h, dense_weight), cuda_graphs),
+                                   "stage1_ms": _bench(lambda: flash.select_probes(h), cuda_graphs)}
+            cells = []
+            for kind in kinds:
+                if kind == "mixed" and batch == 1:
+                    continue
+                mask = sampled_mask(kind, batch)
+                flash.step_logits(h, sampled=mask, pinned=pins)  # warm-up outside any capture
+                ms = _bench(lambda: flash.step_logits(h, sampled=mask, pinned=pins), cuda_graphs)
+                row[f"{kind}_ms"], row[f"{kind}_speedup"] = ms, row["dense_ms"] / ms
+                cells.append(f"{ms:8.4f} | {row['dense_ms'] / ms:6.2f}x")
+            print(f"{batch:5d} | {row['dense_ms']:8.4f} | " + " | ".join(cells) + f" | {row['stage1_ms']:.4f}",
+                  flush=True)
             rows.append(row)
         tables.append({"vocab": vocab, "hidden": hidden, "dtype": DTYPE_NAMES[dtype], "clusters": num_clusters,
-                       "probes": n_probes, "rows": rows})
-        del head, flash, fused, compiled_dense
+                       "probes": n_probes, "sampled_probes": flash.sampled_n_probes, "rank": flash.sampled_rank,
+                       "pinned": PINNED, "rows": rows})
+        del head, flash
         torch.cuda.empty_cache()
     return tables
-
-
-def _compiled_dense(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``torch.compile`` of linear + argmax (None, with a note, when compilation fails)."""
-    def dense(h: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(h, weight).argmax(dim=1)
-
-    try:
-        compiled = torch.compile(dense, dynamic=False)
-        compiled(torch.randn(1, weight.shape[1], device=weight.device, dtype=weight.dtype))
-        return compiled
-    except Exception as exc:  # noqa: BLE001 - an optional baseline; the other columns still stand
-        print(f"torch.compile baseline unavailable: {type(exc).__name__}: {exc}")
-        return None
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -396,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="heads to time (default: 128256x2048,128256x4096,151936x896)")
     ap.add_argument("--batches", type=_ints, default=list(TIMING_BATCHES), help="timed batch sizes")
     ap.add_argument("--timing-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    ap.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays instead of eager launches")
-    ap.add_argument("--compile", action="store_true", help="add a torch.compile(linear + argmax) baseline")
+    ap.add_argument("--eager", action="store_true", help="time eager launches instead of CUDA-graph replays")
     args = ap.parse_args(argv)
 
     if args.interpret:
@@ -424,18 +407,18 @@ def main(argv: list[str] | None = None) -> int:
     with exact_matmuls():
         results = run_correctness(device, shapes, dtypes, lambda case: print(case.line(), flush=True))
     failed = [r for r in results if not r.passed]
-    differ = sum(not r.greedy_matches_torch_path for r in results)
+    differ = sum(not r.argmax_matches_torch_path for r in results)
     print(f"correctness: {len(results) - len(failed)}/{len(results)} cases passed"
-          + (f" ({differ} where the greedy token differs from the torch path's within tolerance)" if differ else ""))
+          + (f" ({differ} where the argmax differs from the torch path's within tolerance)" if differ else ""))
 
     timing = []
     if not args.interpret and not args.no_timing:
         timing = run_timing(device, args.timing_shapes, args.batches, getattr(torch, args.timing_dtype),
-                            args.cuda_graphs, args.compile)
+                            not args.eager)
     if args.json is not None:
         payload = {"environment": info, "tolerances": {DTYPE_NAMES[d]: asdict(t) for d, t in TOLERANCES.items()},
                    "correctness": [{**asdict(r), "passed": r.passed} for r in results], "timing": timing,
-                   "timing_mode": "cuda_graphs" if args.cuda_graphs else "eager"}
+                   "timing_mode": "eager" if args.eager else "cuda_graphs"}
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
     if failed:

@@ -15,7 +15,9 @@ cluster is probed); how often the dense head itself, in a low-precision dtype,
 picks another token than float32 is reported apart (:func:`dense_agreement`):
 counting those rounding flips against FlashHead under-reports it.
 * ``rows``: rows scored per step (``C`` centroids + ``P * cluster_size`` candidates).
-* ``ms``: time of one FlashHead greedy step at batch 1 (median), next to the dense step.
+* ``ms`` / ``sampled_ms``: time of one :meth:`FlashHead.step_logits` call at batch 1 for a greedy /
+  a sampled row (median; the ``[1, V]`` logits serving hands to the sampler), next to the dense step
+  (``F.linear`` into the same ``[1, V]`` logits).
 
 Serving fidelity (:func:`serving_fidelity`) measures the logits serving hands to vLLM's
 sampler (:meth:`FlashHead.step_logits`, pinned ids included) per ``n_probes`` value:
@@ -46,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from .head import FlashHead
+from .head import FlashHead, rows_scored
 
 __all__ = ["EvalRow", "evaluate", "dense_agreement", "synthetic_hidden_states", "synthetic_head", "load_hidden_states",
            "capture_hidden_states", "format_table", "SAMPLING_SETTINGS", "SamplingFidelity", "ServingFidelity",
@@ -64,6 +66,7 @@ class EvalRow:
     top1: float
     top5_in: float
     ms: float
+    sampled_ms: float | None = None
 
 
 def synthetic_hidden_states(weight: torch.Tensor, n: int, *, noise: float = 1.0, seed: int = 0,
@@ -193,8 +196,12 @@ def dense_agreement(head: FlashHead, hidden: torch.Tensor, *, batch: int = 256) 
 
 
 def evaluate(head: FlashHead, hidden: torch.Tensor, probes: list[int], *, batch: int = 256,
-             time_repeats: int = 5) -> tuple[list[EvalRow], float]:
+             time_repeats: int = 5, pinned: torch.Tensor | None = None,
+             postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[EvalRow], float]:
     """Sweep ``probes``; return the rows and the dense step time (ms, batch 1).
+
+    Timing is of what serving calls: ``head.step_logits`` on one row (greedy, then sampled) with
+    ``pinned`` ids and ``postprocess``, against the dense head into the same ``[1, V]`` logits.
 
     ``hidden`` is taken at the precision given (float32 hidden states stay
     float32 for the reference); FlashHead sees it cast to the head's dtype.
@@ -216,23 +223,35 @@ def evaluate(head: FlashHead, hidden: torch.Tensor, probes: list[int], *, batch:
             agree[i] += int((reference.gather(1, ids.long()).max(1).values >= best_dense).sum())
             contained[i] += int((top5.unsqueeze(2) == ids.unsqueeze(1)).any(dim=2).sum())
     one = served[:1]
-    dense_ms = _time_ms(lambda: head.dense_logits(one).argmax(1), time_repeats)
+    post = postprocess if postprocess is not None else (lambda x: x)
+    pins = None if pinned is None else torch.as_tensor(pinned, dtype=torch.int64, device=one.device)
+    dense_ms = _time_ms(lambda: post(head.dense_logits(one)), time_repeats)
     n = hidden.shape[0]
     rows = []
-    for i, p in enumerate(probes):
-        ms = _time_ms(lambda: head.greedy(one, head.select_probes(one, n_probes=p)), time_repeats)
-        rows.append(EvalRow(p, head.num_clusters + p * head.cluster_size, agree[i] / n, contained[i] / (5 * n), ms))
+    kept = head.n_probes
+    try:
+        for i, p in enumerate(probes):
+            head.n_probes = p
+            ms = _time_ms(lambda: head.step_logits(one, pinned=pins, postprocess=postprocess), time_repeats)
+            sampled_ms = _time_ms(lambda: head.step_logits(one, sampled=[True], pinned=pins, postprocess=postprocess),
+                                  time_repeats)
+            rows.append(EvalRow(p, rows_scored(head.num_clusters, p, head.cluster_size), agree[i] / n,
+                                contained[i] / (5 * n), ms, sampled_ms))
+    finally:
+        head.n_probes = kept
     return rows, dense_ms
 
 
 def format_table(rows: list[EvalRow], dense_ms: float, vocab_size: int) -> str:
     """Markdown table of an evaluation sweep."""
-    lines = ["| n_probes | scored rows | share of vocab | top-1 agree | top-5 in candidates | ms/step (B=1) | speed-up |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| n_probes | scored rows | share of vocab | top-1 agree | top-5 in candidates | greedy ms (B=1) | speed-up "
+             "| sampled ms (B=1) | speed-up |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        sampled = (f"{r.sampled_ms:.2f} | {dense_ms / r.sampled_ms:.2f}x" if r.sampled_ms else "n/a | n/a")
         lines.append(f"| {r.n_probes} | {r.scored_rows:,} | {r.scored_rows / vocab_size:.1%} | {r.top1:.2%} | "
-                     f"{r.top5_in:.2%} | {r.ms:.2f} | {dense_ms / r.ms:.2f}x |")
-    lines.append(f"| dense | {vocab_size:,} | 100% | 100% | 100% | {dense_ms:.2f} | 1.00x |")
+                     f"{r.top5_in:.2%} | {r.ms:.2f} | {dense_ms / r.ms:.2f}x | {sampled} |")
+    lines.append(f"| dense | {vocab_size:,} | 100% | 100% | 100% | {dense_ms:.2f} | 1.00x | {dense_ms:.2f} | 1.00x |")
     return "\n".join(lines)
 
 
@@ -245,6 +264,8 @@ class SamplingFidelity:
     top_p: float
     tv_distance: float
     scored_fraction: float
+    tv_p90: float | None = None  # 90th percentile over states of the TV distance
+    tv_max: float | None = None
 
 
 @dataclass
@@ -337,7 +358,7 @@ def serving_fidelity(head: FlashHead, hidden: torch.Tensor, probes: list[int], *
         for p in probes:
             head.n_probes = p
             agree = top5 = stop_rows = stop_hits = 0
-            tv = [0.0] * len(settings)
+            tv: list[list[torch.Tensor]] = [[] for _ in settings]
             sampled = torch.ones(min(batch, n), dtype=torch.bool)
             for s in range(0, n, batch):
                 reference = post(torch.nn.functional.linear(hidden[s:s + batch].float(), weight32))
@@ -357,7 +378,7 @@ def serving_fidelity(head: FlashHead, hidden: torch.Tensor, probes: list[int], *
                 for i, (temperature, top_p) in enumerate(settings):
                     dense_p = sampling_distribution(reference, temperature, top_p)
                     flash_q = sampling_distribution(flash, temperature, top_p)
-                    tv[i] += float(total_variation(dense_p, flash_q).sum())
+                    tv[i].append(total_variation(dense_p, flash_q).cpu())
             vocab = head.vocab_size
             sampled_fraction = head.scored_rows_per_step(sampled=True, pinned=int(pins.numel())) / vocab
             results.append(ServingFidelity(
@@ -367,11 +388,18 @@ def serving_fidelity(head: FlashHead, hidden: torch.Tensor, probes: list[int], *
                 top5_agreement=top5 / (5 * n),
                 stop_token_recall=stop_hits / stop_rows if stop_rows else None,
                 sampled_n_probes=head.sampled_n_probes,
-                sampling=[SamplingFidelity(t, tp, tv[i] / n, sampled_fraction) for i, (t, tp) in enumerate(settings)],
+                sampling=[_sampling_fidelity(t, tp, torch.cat(tv[i]), sampled_fraction)
+                          for i, (t, tp) in enumerate(settings)],
             ))
     finally:
         head.n_probes = saved
     return results
+
+
+def _sampling_fidelity(temperature: float, top_p: float, tv: torch.Tensor, fraction: float) -> SamplingFidelity:
+    tv = tv.double()
+    return SamplingFidelity(temperature, top_p, float(tv.mean()), fraction, tv_p90=float(torch.quantile(tv, 0.9)),
+                            tv_max=float(tv.max()))
 
 
 def format_fidelity_table(results: list[ServingFidelity]) -> str:
@@ -384,7 +412,8 @@ def format_fidelity_table(results: list[ServingFidelity]) -> str:
     for r in results:
         stop = "n/a" if r.stop_token_recall is None else f"{r.stop_token_recall:.2%}"
         sampled = f"{r.sampling[0].scored_fraction:.1%}" if r.sampling else "n/a"
-        tvs = "".join(f" {x.tv_distance:.4f} |" for x in r.sampling)
+        tvs = "".join(f" {x.tv_distance:.4f} (p90 {x.tv_p90:.3f}, max {x.tv_max:.2f}) |" if x.tv_max is not None
+                      else f" {x.tv_distance:.4f} |" for x in r.sampling)
         lines.append(f"| {r.n_probes} | {r.scored_fraction:.1%} | {r.top1_agreement:.2%} | {r.top5_agreement:.2%} | "
                      f"{stop} | {r.sampled_n_probes} | {sampled} |{tvs}")
     return "\n".join(lines)

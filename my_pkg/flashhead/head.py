@@ -7,8 +7,8 @@ probed clusters, reading them from the original head weight through the cluster 
 
 :meth:`FlashHead.step_logits` builds what serving hands to the sampler for one decode step:
 
-* greedy rows: exact logits of the top ``n_probes`` clusters' members, ``-inf`` elsewhere, so
-  the argmax is :meth:`FlashHead.greedy`'s pick;
+* greedy rows: exact logits of the top ``n_probes`` clusters' members, ``-inf`` elsewhere (the
+  argmax is the best candidate, the smallest id on ties);
 * sampled rows: exact logits of the top ``sampled_n_probes`` clusters' members, and every other
   token an *estimated* logit from a rank-``r`` approximation of the head
   (:mod:`~my_pkg.flashhead.tail_estimate`).  The
@@ -16,6 +16,11 @@ probed clusters, reading them from the original head weight through the cluster 
   of the probability mass instead of losing it, and the sampler's own temperature, top-k/top-p
   and min-p apply to the whole row.  Nothing is random, so a seeded request reproduces;
 * both: the ``pinned`` ids (EOS, special and stop tokens) are scored exactly on every row.
+
+A batch of several rows is scored cluster by cluster on CPU (each probed head row read once for
+every row that probes it, :mod:`~my_pkg.flashhead.kernels.torch_ref`), with the same logits bit for
+bit as row by row: a request's logits do not depend on the batch it is in, and a large batch costs
+about the head's union of candidates instead of ``B`` times each row's.
 """
 
 from __future__ import annotations
@@ -26,12 +31,27 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .kernels import torch_ref
-from .kernels import triton_available
+from .kernels import load_backend, resolve_backend, torch_ref
 from .staging import index_tensor
 from .tail_estimate import TailTables, build_tail_tables, default_tail_rank
 
-__all__ = ["FlashHead", "build_members", "default_sampled_n_probes"]
+__all__ = ["FlashHead", "build_members", "default_n_probes", "default_sampled_n_probes", "rows_scored"]
+
+
+def default_n_probes(num_clusters: int) -> int:
+    """Probe count of a greedy row when the assets give none: about 1/32 of the clusters (256 of 8,016
+    for a 128k vocabulary), at least 8.  The builder writes it (or its calibrated choice) into
+    ``config.json``; serving falls back to it for assets without ``n_probes``."""
+    return max(1, min(num_clusters, max(8, math.ceil(num_clusters / 32))))
+
+
+def rows_scored(num_clusters: int, n_probes: int, cluster_size: int, *, pinned: int = 0, rank: int = 0,
+                hidden_size: int = 1, vocab_size: int = 0) -> int:
+    """Head rows scored for one row of a step: ``C`` centroids, ``P * cluster_size`` candidates and the
+    ``pinned`` ids; a rank-``rank`` tail estimate (sampled rows) adds its ``rank * (H + V)``
+    multiply-adds counted in rows of ``H``.  The one formula behind every "rows scored" figure."""
+    estimate = math.ceil(rank * (hidden_size + vocab_size) / hidden_size) if rank else 0
+    return num_clusters + n_probes * cluster_size + pinned + estimate
 
 
 def default_sampled_n_probes(n_probes: int, num_clusters: int) -> int:
@@ -86,18 +106,17 @@ class FlashHead:
             logits (``0..H``, 0: ``-inf`` instead; default
             :func:`~my_pkg.flashhead.tail_estimate.default_tail_rank` of the hidden size).  Its
             tables are built on the first sampled row (a randomized SVD of the head, once).
-        backend: ``"auto"`` (Triton for CUDA tensors when importable, else torch),
-            ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` or a registered backend name (:mod:`~my_pkg.flashhead.kernels`:
+            ``"torch"``, ``"triton"``); ``auto`` takes Triton for CUDA tensors when it imports, else torch.
         allow_empty_clusters: accept clusters without a member (a head over one vocabulary shard
             of a tensor-parallel model, with the global centroids and the shard's assignments).
 
-    Ties in :meth:`greedy` go to the smallest token id (as ``torch.argmax`` over the dense
-    logits does).  All methods accept any batch ``B >= 1`` and do no host synchronisation.
+    All methods accept any batch ``B >= 1``; on an accelerator they do no host synchronisation.
     """
 
     def __init__(self, weight: torch.Tensor, centroids: torch.Tensor, assignments: torch.Tensor, *,
                  vocab_size: int | None = None, n_probes: int, backend: str = "auto",
-                 dense_batch_threshold: int | None = None, sampled_n_probes: int | None = None,
+                 sampled_n_probes: int | None = None,
                  sampled_rank: int | None = None, allow_empty_clusters: bool = False) -> None:
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
@@ -119,7 +138,15 @@ class FlashHead:
         self.cluster_size = members.shape[1]
         self.vocab_size = v
         self.hidden_size = weight.shape[1]
-        self.backend = self._resolve_backend(backend, weight)
+        self.backend = resolve_backend(backend, weight.device.type)
+        # Each head row's cluster (C: none, e.g. padding rows): lets a CPU batch be scored cluster by
+        # cluster. Only when no cluster is empty (an empty cluster's slots hold another cluster's token).
+        self._token_cluster: torch.Tensor | None = None
+        cluster_of = assignments.detach().to("cpu", torch.int64)
+        if weight.device.type == "cpu" and bool((torch.bincount(cluster_of, minlength=c) > 0).all()):
+            token_cluster = torch.full((weight.shape[0],), c, dtype=torch.int64)
+            token_cluster[:v] = cluster_of
+            self._token_cluster = token_cluster.to(weight.device)
         self._n_probes = 1
         self.n_probes = n_probes
         self._sampled_n_probes: int | None = None
@@ -128,24 +155,9 @@ class FlashHead:
         self._sampled_rank = default_tail_rank(self.hidden_size)
         if sampled_rank is not None:
             self.sampled_rank = sampled_rank
-        self.dense_batch_threshold = dense_batch_threshold
-
-    @staticmethod
-    def _resolve_backend(backend: str, weight: torch.Tensor) -> str:
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-        if backend == "auto":
-            return "triton" if weight.is_cuda and triton_available() else "torch"
-        if backend == "triton" and not triton_available():
-            raise ValueError("backend 'triton' requested but triton cannot be imported")
-        return backend
 
     def _kernels(self):
-        if self.backend == "triton":
-            from .kernels import triton_kernels
-
-            return triton_kernels
-        return torch_ref
+        return load_backend(self.backend)
 
     # -- properties -----------------------------------------------------------------
     @property
@@ -193,33 +205,13 @@ class FlashHead:
         return value
 
     @property
-    def dense_batch_threshold(self) -> int | None:
-        """Batches larger than this are served by the dense head (None: never).
-
-        Above the crossover measured by ``bench/head.py`` the dense matmul is faster."""
-        return self._dense_batch_threshold
-
-    @dense_batch_threshold.setter
-    def dense_batch_threshold(self, value: int | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"dense_batch_threshold must be None or an int >= 0, got {value!r}")
-        self._dense_batch_threshold = value
-
-    def _use_dense(self, hidden: torch.Tensor) -> bool:
-        return self._dense_batch_threshold is not None and hidden.shape[0] > self._dense_batch_threshold
-
-    @property
     def extra_memory_bytes(self) -> int:
         """Bytes held beyond the shared head weight (centroids + cluster map, and once a sampled
         row has been served the estimate's tables: ``r`` values per token)."""
         return (self.centroids.numel() * self.centroids.element_size()
                 + self.members.numel() * self.members.element_size()
+                + (self._token_cluster.numel() * 8 if self._token_cluster is not None else 0)
                 + (self._tail.nbytes if self._tail is not None else 0))
-
-    @property
-    def scored_rows(self) -> int:
-        """Rows scored per step at the current ``n_probes`` (centroids + candidates)."""
-        return self.num_clusters + self._n_probes * self.cluster_size
 
     # -- API ------------------------------------------------------------------------
     def _check_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -240,25 +232,8 @@ class FlashHead:
         hidden = self._check_hidden(hidden)
         if probes is None:
             probes = self.select_probes(hidden, **select_kw)
-        return self._kernels().candidate_logits(hidden, self.weight, self.members, probes)
-
-    def greedy(self, hidden: torch.Tensor, probes: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B]`` int64 argmax token over the candidates (ties: smallest token id)."""
-        hidden = self._check_hidden(hidden)
-        if probes is None and self._use_dense(hidden):
-            return self.dense_logits(hidden).argmax(dim=1)
-        if probes is None:
-            probes = self.select_probes(hidden)
-        return self._kernels().greedy(hidden, self.weight, self.members, probes)
-
-    def sparse_logits(self, hidden: torch.Tensor, probes: torch.Tensor | None = None, **select_kw) -> torch.Tensor:
-        """``[B, vocab_size]``: exact logits on the candidates, ``-inf`` elsewhere
-        (dense logits for a batch above ``dense_batch_threshold``)."""
-        if probes is None and self._use_dense(self._check_hidden(hidden)):
-            return self.dense_logits(hidden)
-        ids, logits = self.candidate_logits(hidden, probes, **select_kw)
-        out = torch.full((ids.shape[0], self.vocab_size), float("-inf"), dtype=logits.dtype, device=logits.device)
-        return out.scatter_(1, ids, logits)
+        return self._kernels().candidate_logits(hidden, self.weight, self.members, probes,
+                                                token_cluster=self._token_cluster)
 
     def step_logits(self, hidden: torch.Tensor, *, sampled: torch.Tensor | np.ndarray | None = None,
                     pinned: torch.Tensor | None = None,
@@ -304,7 +279,8 @@ class FlashHead:
                      post: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Step logits of rows that are all greedy or all sampled (before pinned ids)."""
         probes = torch_ref.select_probes(scores, self.sampled_n_probes if sampled else self._n_probes)
-        ids, exact = self._kernels().candidate_logits(hidden, self.weight, self.members, probes)
+        ids, exact = self._kernels().candidate_logits(hidden, self.weight, self.members, probes,
+                                                      token_cluster=self._token_cluster)
         exact = post(exact)
         if sampled and self._sampled_rank:
             out = post(self._tail_tables().estimates(hidden)).to(exact.dtype)
@@ -315,11 +291,12 @@ class FlashHead:
 
     def scored_rows_per_step(self, *, sampled: bool, pinned: int = 0) -> int:
         """Head rows scored per row of :meth:`step_logits`: centroids + candidates + ``pinned`` ids;
-        a sampled row also pays the estimate's ``r * (H + V)`` multiply-adds, counted in rows of ``H``."""
+        a sampled row also pays the estimate's ``r * (H + V)`` multiply-adds, counted in rows of ``H``
+        (:func:`rows_scored`)."""
         if not sampled:
-            return self.num_clusters + self._n_probes * self.cluster_size + pinned
-        estimate = math.ceil(self._sampled_rank * (self.hidden_size + self.vocab_size) / self.hidden_size)
-        return self.num_clusters + self.sampled_n_probes * self.cluster_size + pinned + estimate
+            return rows_scored(self.num_clusters, self._n_probes, self.cluster_size, pinned=pinned)
+        return rows_scored(self.num_clusters, self.sampled_n_probes, self.cluster_size, pinned=pinned,
+                           rank=self._sampled_rank, hidden_size=self.hidden_size, vocab_size=self.vocab_size)
 
     def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, vocab_size]`` reference logits of the full head."""

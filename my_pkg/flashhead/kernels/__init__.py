@@ -1,16 +1,31 @@
-"""Stage-2 kernels of FlashHead.
+"""Stage-2 kernel backends of FlashHead and their registry.
 
-``torch_ref`` is pure torch (CPU path and reference); ``triton_kernels`` is imported
-lazily and only when Triton is available.  Both expose::
+A backend is a module with one function::
 
-    candidate_logits(hidden [B,H], weight [V',H], members [C,cap] int64, probes [B,P] int64)
+    candidate_logits(hidden [B,H], weight [V',H], members [C,cap] int64, probes [B,P] int64, *,
+                     token_cluster [V'] int64 | None = None)
         -> (token_ids [B, P*cap] int64, logits [B, P*cap] in weight dtype)
-    greedy(hidden, weight, members, probes) -> [B] int64
 
-Ties in ``greedy`` go to the smallest token id among the maximal logits.
+``token_ids[b]`` are ``members[probes[b]]`` flattened and ``logits[b, j]`` is
+``weight[token_ids[b, j]] . hidden[b]``.  ``token_cluster`` (each head row's cluster id, ``C`` for
+rows in no cluster; ``None`` when a cluster is empty) lets a backend score a batch cluster by cluster
+instead of row by row; a backend may ignore it.  Registered here:
+
+* ``torch`` (:mod:`.torch_ref`): pure torch, every device; the CPU path and the reference;
+* ``triton`` (:mod:`.triton_kernels`): CUDA, imported only when chosen and Triton imports.
+
+``FlashHead(backend="auto")`` takes the first backend registered for the weight's device type whose
+``available()`` is true, else ``torch``.  Adding a backend: see ``README.md`` next to this file.
 """
 
 from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
+
+__all__ = ["Backend", "register_backend", "backend_names", "resolve_backend", "load_backend", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -21,3 +36,53 @@ def triton_available() -> bool:
     except Exception:  # pragma: no cover - environment dependent
         return False
     return True
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A registered backend: the module that implements it, when it can run, where ``auto`` picks it."""
+
+    name: str
+    module: str
+    available: Callable[[], bool]
+    auto_devices: tuple[str, ...]
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(name: str, module: str, *, available: Callable[[], bool] = lambda: True,
+                     auto_devices: tuple[str, ...] = ()) -> None:
+    """Register ``module`` (imported lazily) as backend ``name``; ``auto`` picks it for ``auto_devices``."""
+    if name == "auto":
+        raise ValueError("'auto' is not a backend name")
+    _BACKENDS[name] = Backend(name, module, available, tuple(auto_devices))
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every value ``FlashHead(backend=...)`` takes: ``auto`` and the registered names."""
+    return ("auto", *_BACKENDS)
+
+
+def resolve_backend(name: str, device_type: str) -> str:
+    """The backend ``name`` stands for on ``device_type``; ``ValueError`` when unknown or unavailable."""
+    if name == "auto":
+        for backend in _BACKENDS.values():
+            if device_type in backend.auto_devices and backend.available():
+                return backend.name
+        return "torch"
+    backend = _BACKENDS.get(name)
+    if backend is None:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, backend_names()))}, got {name!r}")
+    if not backend.available():
+        raise ValueError(f"backend {name!r} requested but it cannot run here (its imports are missing)")
+    return name
+
+
+def load_backend(name: str) -> ModuleType:
+    """The module of a registered backend (imported on first use)."""
+    return importlib.import_module(_BACKENDS[name].module)
+
+
+register_backend("torch", f"{__name__}.torch_ref")
+register_backend("triton", f"{__name__}.triton_kernels", available=triton_available, auto_devices=("cuda",))

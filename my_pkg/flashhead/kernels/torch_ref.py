@@ -10,6 +10,12 @@ one ``mm`` per block.  The half-precision ``mm`` accumulates in float32 and roun
 (about twice as fast as ``bmm``/``mv`` on the same rows), and a block that small is reused
 by the allocator from step to step, where one gathered copy of every row of a batch
 (hundreds of MB) is a fresh mapping that is page-faulted in again on every step.
+A batch of several rows with ``token_cluster`` is scored cluster by cluster instead
+(:func:`_logits_grouped`): the CSR pattern is transposed to ``[V', B]``, so each head row that
+some row of the batch probes is read once for all of them, not once per row.  The sparse kernel
+computes each value as the same vectorized dot product either way, so the logits are bit for bit
+those of the row-by-row pattern; only the memory traffic changes (the head's union of candidates
+instead of ``B`` times each row's).
 On other devices rows are gathered with ``index_select`` and reduced with ``bmm``.
 """
 
@@ -19,8 +25,7 @@ import warnings
 
 import torch
 
-__all__ = ["stage1_scores", "select_probes", "candidate_ids", "candidate_logits", "greedy",
-           "greedy_from_candidates"]
+__all__ = ["stage1_scores", "select_probes", "candidate_ids", "candidate_logits"]
 
 _SPARSE_OK: dict[torch.dtype, bool] = {}
 
@@ -28,6 +33,10 @@ _SPARSE_OK: dict[torch.dtype, bool] = {}
 # ``mm``): one block per row at 128,256 x 2,048 in bf16, and below glibc's largest mmap threshold
 # (32 MiB), so freed blocks stay in the heap for the next one.
 _CPU_GATHER_BLOCK_BYTES = 16 << 20
+
+# Smallest batch scored cluster by cluster: below it the rows share few candidates, and the grouped
+# pattern costs a few passes over the head's rows to build (about 2 ms at 128,256 rows, one thread).
+_GROUPED_MIN_ROWS = 8
 
 
 def stage1_scores(hidden: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -108,9 +117,49 @@ def _logits_blocked(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     return out
 
 
+def _logits_grouped(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor,
+                    token_cluster: torch.Tensor) -> torch.Tensor:
+    """``[B, P*cap]`` logits as :func:`_logits_sparse` gives them, computed cluster by cluster.
+
+    The pattern is ``[V', B]``: head row ``v`` holds the batch rows that probe ``v``'s cluster, so
+    ``sampled_addmm(pattern, weight, hidden.T)`` reads each probed head row once.  Built without a sort
+    over the candidates: the ``(row, probe)`` pairs are ordered by cluster (``B * P`` entries), and
+    each head row takes its cluster's list of rows.  Needs every cluster non-empty (a padded slot
+    repeats a member of its own cluster).
+    """
+    b, p = probes.shape
+    cap = members.shape[1]
+    device = hidden.device
+    num_clusters = members.shape[0]
+    flat = probes.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by cluster; batch rows ascending within one
+    counts = torch.bincount(flat, minlength=num_clusters + 1)  # slot C: head rows in no cluster
+    starts = counts.cumsum(0) - counts
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(flat.numel(), device=device) - starts[flat[order]]
+    per_row = counts[token_cluster]  # [V'] batch rows that score each head row
+    crow = torch.zeros(per_row.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(per_row, 0, out=crow[1:])
+    nnz = int(crow[-1])
+    row_of = torch.repeat_interleave(torch.arange(per_row.numel(), device=device), per_row, output_size=nnz)
+    within = torch.arange(nnz, device=device) - crow[row_of]
+    cols = (order // p)[starts[token_cluster[row_of]] + within]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pattern = torch.sparse_csr_tensor(crow, cols, torch.zeros(nnz, dtype=weight.dtype, device=device),
+                                          size=(weight.shape[0], b), check_invariants=False)
+        values = torch.sparse.sampled_addmm(pattern, weight, hidden.t(), beta=0.0, alpha=1.0).values()
+    index = crow[members[probes]] + rank.view(b, p, 1)  # [B, P, cap]: each candidate's place in ``values``
+    return values[index.reshape(b, p * cap)]
+
+
 def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor,
-                     probes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact logits of every candidate: ``(token_ids [B, P*cap], logits [B, P*cap])``."""
+                     probes: torch.Tensor, *, token_cluster: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact logits of every candidate: ``(token_ids [B, P*cap], logits [B, P*cap])``.
+
+    ``token_cluster`` (``[V']``, each head row's cluster, ``C`` for none) lets a CPU batch be scored
+    cluster by cluster (:func:`_logits_grouped`), with the same values bit for bit."""
     hidden = hidden.to(weight.dtype)
     ids = candidate_ids(members, probes)
     if hidden.device.type != "cpu":
@@ -118,18 +167,7 @@ def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.
     # The CSR pattern allows at most ``V'`` entries per row (only hit when padding duplicates
     # push ``P*cap`` above the head's row count); gather in blocks then.
     if ids.shape[1] <= weight.shape[0] and _sparse_supported(weight.dtype):
+        if token_cluster is not None and ids.shape[0] >= _GROUPED_MIN_ROWS:
+            return ids, _logits_grouped(hidden.contiguous(), weight, members, probes, token_cluster)
         return ids, _logits_sparse(hidden.contiguous(), weight, ids)
     return ids, _logits_blocked(hidden, weight, ids)
-
-
-def greedy_from_candidates(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Argmax token over candidates; ties go to the smallest token id."""
-    best = logits.max(dim=1, keepdim=True).values
-    big = torch.iinfo(torch.int64).max
-    return torch.where(logits == best, ids, torch.full_like(ids, big)).min(dim=1).values
-
-
-def greedy(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64 argmax token over the candidates (smallest id on ties)."""
-    ids, logits = candidate_logits(hidden, weight, members, probes)
-    return greedy_from_candidates(ids, logits)

@@ -3,11 +3,7 @@
 One program per (batch row, probe): it loads the probed cluster's member ids from
 the cluster map, streams their head rows in ``BLOCK_H`` slices (masked, so the
 hidden size need not be a multiple of the block) and reduces the dot products in
-fp32.  ``candidate_logits`` writes every candidate's logit and id; ``greedy`` keeps
-no ``[B, P*cap]`` intermediate: each program reduces its cluster to one
-(logit, token) pair, packs it as ``(order-preserving int32 bits of the fp32 logit) << 32
-| (2**31 - 1 - token)`` and merges it with ``tl.atomic_max`` into one int64 per row,
-so the maximum logit wins and ties go to the smallest token id.
+fp32, and writes every candidate's logit and id.
 """
 
 from __future__ import annotations
@@ -16,10 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["candidate_logits", "greedy"]
+__all__ = ["candidate_logits"]
 
 _BLOCK_H = 128
-_INT64_MIN = -(2**63)
 
 
 @triton.jit
@@ -53,24 +48,6 @@ def _candidate_logits_kernel(hidden_ptr, weight_ptr, members_ptr, probes_ptr, id
     tl.store(ids_ptr + offs, tok, mask=m_mask)
 
 
-@triton.jit
-def _greedy_kernel(hidden_ptr, weight_ptr, members_ptr, probes_ptr, out_ptr,
-                   stride_hb, stride_wv, stride_mc, stride_pb, H,
-                   CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1).to(tl.int64)
-    cluster = tl.load(probes_ptr + row * stride_pb + p).to(tl.int64)
-    tok, acc, m_mask = _cluster_dot(hidden_ptr, weight_ptr, members_ptr, row, cluster, stride_hb, stride_wv,
-                                    stride_mc, H, CAP, BLOCK_M, BLOCK_H)
-    acc = tl.where(m_mask, acc, float("-inf"))
-    best = tl.max(acc, axis=0)
-    best_tok = tl.min(tl.where((acc == best) & m_mask, tok, 2147483647), axis=0)
-    bits = best.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    packed = (key.to(tl.int64) << 32) | (2147483647 - best_tok)
-    tl.atomic_max(out_ptr + row, packed)
-
-
 def _prep(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor):
     if weight.stride(1) != 1:
         raise ValueError("weight rows must be contiguous")
@@ -82,8 +59,10 @@ def _prep(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, pro
 
 
 def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor,
-                     probes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact logits of every candidate: ``(token_ids [B, P*cap] int64, logits [B, P*cap])``."""
+                     probes: torch.Tensor, *, token_cluster: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact logits of every candidate: ``(token_ids [B, P*cap] int64, logits [B, P*cap])``
+    (``token_cluster`` is not needed: one program per (row, probe) reads each cluster in place)."""
     hidden, members, probes, cap, block_m = _prep(hidden, weight, members, probes)
     b, p = probes.shape
     ids = torch.empty(b, p * cap, dtype=torch.int64, device=weight.device)
@@ -94,13 +73,3 @@ def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.
                                      CAP=cap, BLOCK_M=block_m, BLOCK_H=_BLOCK_H)
     return ids, logits
 
-
-def greedy(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64 argmax token over the candidates (fused; smallest id on ties)."""
-    hidden, members, probes, cap, block_m = _prep(hidden, weight, members, probes)
-    b, p = probes.shape
-    packed = torch.full((b,), _INT64_MIN, dtype=torch.int64, device=weight.device)
-    _greedy_kernel[(b, p)](hidden, weight, members, probes, packed,
-                           hidden.stride(0), weight.stride(0), members.stride(0), probes.stride(0), hidden.shape[1],
-                           CAP=cap, BLOCK_M=block_m, BLOCK_H=_BLOCK_H)
-    return 2147483647 - (packed & 0xFFFFFFFF)

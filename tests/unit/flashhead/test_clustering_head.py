@@ -67,8 +67,8 @@ def test_full_probes_equal_dense(batch):
     h = torch.randn(batch, head.hidden_size, generator=g)
     dense = head.dense_logits(h)
     assert dense.shape == (batch, 333)
-    assert torch.equal(head.greedy(h), dense.argmax(1))
-    sparse = head.sparse_logits(h)
+    sparse = head.step_logits(h)
+    assert torch.equal(sparse.argmax(1), dense.argmax(1))
     assert torch.isfinite(sparse).all()
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
     ids, logits = head.candidate_logits(h)
@@ -86,10 +86,10 @@ def test_partial_probes_exact_on_candidates():
     ids, logits = head.candidate_logits(h, probes)
     dense = head.dense_logits(h)
     torch.testing.assert_close(logits, dense.gather(1, ids))
-    sparse = head.sparse_logits(h, probes)
+    sparse = head.step_logits(h)
     assert int(torch.isfinite(sparse).sum(1).max()) <= 3 * 16
     best = torch.where(torch.isfinite(sparse), dense, torch.full_like(dense, -1e30)).argmax(1)
-    assert torch.equal(head.greedy(h, probes), best)
+    assert torch.equal(sparse.argmax(1), best)
 
 
 def test_greedy_tie_rule_smallest_id():
@@ -97,7 +97,7 @@ def test_greedy_tie_rule_smallest_id():
     w[7] = w[3] = w[30] = torch.tensor([1.0, 0, 0, 0])
     assign = torch.arange(40) % 3
     head = FlashHead(w, torch.randn(3, 4), assign, n_probes=3)
-    assert head.greedy(torch.tensor([[1.0, 0, 0, 0]])).tolist() == [3]
+    assert head.step_logits(torch.tensor([[1.0, 0, 0, 0]])).argmax(1).tolist() == [3]
 
 
 def test_n_probes_validation_and_properties():
@@ -123,7 +123,7 @@ def test_extra_memory_small():
     assign = random_balanced_assignment(4096, 16)
     head = FlashHead(w, torch.randn(256, 256, generator=g), assign, n_probes=8)
     head_bytes = w.numel() * w.element_size()
-    assert head.extra_memory_bytes == 256 * 256 * 4 + 4096 * 8
+    assert head.extra_memory_bytes == 256 * 256 * 4 + 4096 * 8 + 4096 * 8  # centroids, cluster map, row -> cluster
     assert head.extra_memory_bytes <= head_bytes / 8
     assert head.weight.data_ptr() == w.data_ptr()  # a reference, not a copy
 
@@ -133,23 +133,10 @@ def test_bf16_head():
     h = torch.randn(3, head.hidden_size, generator=g)
     ids, logits = head.candidate_logits(h)
     assert logits.dtype == torch.bfloat16
-    torch.testing.assert_close(head.sparse_logits(h).float(), head.dense_logits(h).float(), rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(head.step_logits(h).float(), head.dense_logits(h).float(), rtol=2e-2, atol=5e-2)
 
 
 def test_default_n_probes():
     assert default_n_probes(8016) == 251
     assert default_n_probes(5) == 5
     assert 1 <= default_n_probes(1) <= 1
-
-
-def test_dense_batch_threshold_serves_big_batches_dense():
-    head, g = _head(n_probes=1)
-    h = torch.randn(4, head.hidden_size, generator=g)
-    dense = head.dense_logits(h)
-    assert not torch.isfinite(head.sparse_logits(h)).all()  # no threshold: FlashHead
-    head.dense_batch_threshold = 3
-    torch.testing.assert_close(head.sparse_logits(h), dense)
-    assert torch.equal(head.greedy(h), dense.argmax(1))
-    assert not torch.isfinite(head.sparse_logits(h[:3])).all()  # at the threshold: FlashHead
-    with pytest.raises(ValueError):
-        head.dense_batch_threshold = -1

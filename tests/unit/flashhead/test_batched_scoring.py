@@ -1,0 +1,94 @@
+"""A batch is scored cluster by cluster on CPU, with the logits of the row-by-row path bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from my_pkg.flashhead import FlashHead
+from my_pkg.flashhead.clustering import random_balanced_assignment
+from my_pkg.flashhead.kernels import torch_ref
+
+VOCAB, HIDDEN, PAD = 333, 37, 5  # 21 clusters, the last ones one member short (padded), 5 padding rows
+
+
+def _head(dtype: torch.dtype = torch.float32, n_probes: int = 4, **kw) -> FlashHead:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(VOCAB + PAD, HIDDEN, generator=g).to(dtype)
+    assignments = random_balanced_assignment(VOCAB, 16, seed=1)
+    clusters = int(assignments.max()) + 1
+    centroids = torch.stack([weight[:VOCAB].float()[assignments == c].mean(0) for c in range(clusters)])
+    return FlashHead(weight, centroids, assignments, vocab_size=VOCAB, n_probes=n_probes, backend="torch", **kw)
+
+
+def _hidden(rows: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def _row_by_row(monkeypatch, fn):
+    """``fn()`` with the grouped path switched off (every batch scored row by row)."""
+    with monkeypatch.context() as m:
+        m.setattr(torch_ref, "_GROUPED_MIN_ROWS", 1 << 30)
+        return fn()
+
+
+@pytest.mark.parametrize("rows", [2, 3, 8, 64])
+@pytest.mark.parametrize("n_probes", [1, 4, 21])
+def test_grouped_candidate_logits_equal_the_row_by_row_ones_bit_for_bit(monkeypatch, rows, n_probes):
+    head = _head(n_probes=n_probes)
+    hidden = _hidden(rows, seed=rows)
+    probes = head.select_probes(hidden)
+    grouped_ids, grouped = head.candidate_logits(hidden, probes)
+    ids, per_row = _row_by_row(monkeypatch, lambda: head.candidate_logits(hidden, probes))
+    assert torch.equal(grouped_ids, ids)
+    assert torch.equal(grouped, per_row)  # bit for bit, not within a tolerance
+    reference = torch.stack([head.weight[ids[r]].double() @ hidden[r].double() for r in range(rows)])
+    torch.testing.assert_close(grouped.double(), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampled", ["greedy", "sampled", "mixed"])
+def test_step_logits_of_a_batch_equal_the_row_by_row_path_bit_for_bit(monkeypatch, sampled):
+    head = _head()
+    hidden = _hidden(16, seed=3)
+    mask = {"greedy": np.zeros(16, bool), "sampled": np.ones(16, bool),
+            "mixed": np.arange(16) % 3 == 0}[sampled]
+    pinned = torch.tensor([0, 7, VOCAB - 1])
+    got = head.step_logits(hidden, sampled=mask, pinned=pinned)
+    want = _row_by_row(monkeypatch, lambda: head.step_logits(hidden, sampled=mask, pinned=pinned))
+    assert torch.equal(got, want)
+    # Each row as it would be served alone: the same candidates, the same exact logits on them.
+    for row in range(16):
+        alone = head.step_logits(hidden[row:row + 1], sampled=mask[row:row + 1], pinned=pinned)[0]
+        finite = torch.isfinite(alone)
+        assert torch.equal(finite, torch.isfinite(got[row]))
+        torch.testing.assert_close(got[row][finite], alone[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_path_breaks_when_the_index_map_is_wrong(monkeypatch):
+    # The comparison above can fail: a wrong cluster map gives other values.
+    head = _head()
+    hidden = _hidden(8)
+    probes = head.select_probes(hidden)
+    _, good = head.candidate_logits(hidden, probes)
+    head._token_cluster = torch.roll(head._token_cluster, 1)
+    _, bad = head.candidate_logits(hidden, probes)
+    assert not torch.equal(good, bad)
+
+
+def test_a_head_with_an_empty_cluster_scores_row_by_row():
+    weight = torch.randn(40, 8)
+    assignments = torch.arange(32) % 3  # cluster 3 has no member (a vocabulary shard under TP)
+    head = FlashHead(weight, torch.randn(4, 8), assignments, n_probes=2, allow_empty_clusters=True)
+    assert head._token_cluster is None
+    hidden = torch.randn(5, 8)
+    ids, logits = head.candidate_logits(hidden, head.select_probes(hidden))
+    torch.testing.assert_close(logits, torch.stack([weight[ids[r]] @ hidden[r] for r in range(5)]))
+
+
+def test_dtypes_without_the_sparse_kernel_keep_the_blocked_path():
+    head = _head(torch.bfloat16)
+    hidden = _hidden(6).bfloat16()
+    ids, logits = head.candidate_logits(hidden, head.select_probes(hidden))
+    want = torch.stack([(head.weight[ids[r]].float() @ hidden[r].float()) for r in range(6)])
+    torch.testing.assert_close(logits.float(), want, rtol=1.6e-2, atol=1e-2)
