@@ -125,6 +125,19 @@ def test_a_request_can_opt_out_of_flashhead(fh, flashhead_server, plain_vllm_ser
     assert _status(fh)["counters"]["rows_dense"]["opt_out"] >= before + 3 * 23
 
 
+def test_greedy_requests_with_penalties_are_served_dense(fh, flashhead_server, plain_vllm_server):
+    """Penalties change which token wins after the probes were chosen, so a penalised greedy row is dense
+    (`penalized_greedy`) and its text is the dense server's, even at one probe."""
+    assert _put(fh, {"n_probes": 1}).status_code == 200  # FlashHead alone would differ from dense here
+    before = _status(fh)["counters"]["rows_dense"].get("penalized_greedy", 0)
+    params = {"max_tokens": 24, "return_token_ids": True, "repetition_penalty": 1.3, "presence_penalty": 0.5}
+    ours = [_complete(fh, flashhead_server.model, p, **params)["token_ids"] for p in PROMPTS[:3]]
+    with client(plain_vllm_server) as plain:
+        reference = [_complete(plain, plain_vllm_server.model, p, **params)["token_ids"] for p in PROMPTS[:3]]
+    assert ours == reference
+    assert _status(fh)["counters"]["rows_dense"]["penalized_greedy"] >= before + 3 * 23
+
+
 def test_stop_tokens_are_always_candidates(fh, flashhead_server, plain_vllm_server):
     """At one probe, a request's stop token that the dense head picks first ends the reply
     at once, as on the dense server, though its cluster is rarely the one probed."""

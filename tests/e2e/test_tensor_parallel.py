@@ -46,6 +46,7 @@ def test_flashhead_is_active_on_both_ranks_right_after_start_up(tp2_server):
             assert status["reason_code"] is None
             assert status["n_probes"] == DEFAULT_PROBES
             assert status["backend"] == "torch"
+            assert status["extra_memory_bytes"] > 0  # built with its tables right after the weights loaded
 
 
 def test_full_probes_at_tp2_give_the_dense_tp2_tokens_and_count_rows_on_both_ranks(tp2_server):

@@ -286,3 +286,103 @@ def test_fidelity_telemetry_off(weight, monkeypatch):
     dense = _dense(weight)
     ctl.compute_logits(torch.randn(5, HIDDEN), _rows([0] * 5), lambda h: calls.append(h) or dense(h), lambda x: x)
     assert calls == [] and ctl.status().counters.fidelity_rows == 0
+
+
+# ---- no host synchronisation on the step path -------------------------------------------------
+
+class _NoHostWait(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on any op that makes the host wait for the device: reading a value back (`.item()`,
+    `bool(t)`, `int(t)`), an op whose output shape depends on the data, or a copy between devices that
+    is not non_blocking. On CPU there is no second device, so `torch.tensor(..., device=...)` (a
+    pageable, blocking upload on an accelerator) is refused by `_refuse_blocking_uploads` as well."""
+
+    SYNCING = {
+        torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default, torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default,
+        torch.ops.aten._unique2.default, torch.ops.aten.unique_consecutive.default,
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SYNCING:
+            raise AssertionError(f"{func} makes the host wait for the device")
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            target = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device", source.device)
+            blocking = not kwargs.get("non_blocking", len(args) > 2 and args[2])
+            if torch.device(target) != source.device and blocking:
+                raise AssertionError(f"{func} copies {source.device} -> {target} and blocks")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def _refuse_blocking_uploads(monkeypatch):
+    original = torch.tensor
+
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            raise AssertionError("torch.tensor(..., device=...) is a blocking upload on an accelerator")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+
+
+def _mixed_steps(ctl, weight, device):
+    """Greedy, sampled and dense rows, with stop-id sets that come and go, fidelity checks on."""
+    torch.manual_seed(3)
+    codes = np.array([0, DenseReason.LOGPROBS, 0, 0], np.uint8)
+    sampled = np.array([False, False, True, False])
+    dense = _dense(weight.to(device))
+    for stop_ids in ((), (7,), (7, 300), (7,), ()):
+        hidden = torch.randn(4, HIDDEN, device=device)
+        ctl.compute_logits(hidden, StepRows(codes, sampled, stop_ids=stop_ids), dense, lambda x: x * 0.5)
+
+
+def test_a_step_never_makes_the_host_wait(weight, monkeypatch, _refuse_blocking_uploads):
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_FIDELITY_EVERY", "2")
+    ctl = _pinned_controller(weight, [2, 5], n_probes=2)  # built and warmed up: the sampled tables exist
+    with _NoHostWait():
+        _mixed_steps(ctl, weight, weight.device)
+    assert ctl.counters.rows_flashhead == 15 and ctl.counters.rows_dense["logprobs"] == 5
+    assert ctl.status().counters.fidelity_rows > 0  # the checks ran, read back only by `status`
+
+
+def test_the_host_wait_check_catches_a_blocking_upload(weight, _refuse_blocking_uploads):
+    """The check fails on the upload the step path used to make (`torch.tensor(ids, device=...)`)."""
+    with pytest.raises(AssertionError, match="blocking upload"):
+        torch.tensor([1, 2], device=weight.device)
+    with _NoHostWait(), pytest.raises(AssertionError, match="host wait"):
+        bool(torch.ones(1).sum() > 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_on_cuda_never_synchronises(weight, monkeypatch):
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_FIDELITY_EVERY", "2")
+    cuda_weight = weight.cuda()
+    ctl = _pinned_controller(cuda_weight, [2, 5], n_probes=2)
+    _mixed_steps(ctl, cuda_weight, cuda_weight.device)  # first uploads of each stop-id set, kernels compiled
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _mixed_steps(ctl, cuda_weight, cuda_weight.device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_pinned_ids_are_cached_per_stop_id_set_with_their_weight_rows(weight):
+    ctl = _pinned_controller(weight, [2, 5])
+    pins = ctl._pins
+    uploads = pins.uploads
+    hidden = torch.randn(1, HIDDEN)
+    for _ in range(3):  # mixed traffic alternating two sets uploads each once
+        for stop_ids in ((7,), (9, 11)):
+            logits = ctl.compute_logits(hidden, StepRows(np.zeros(1, np.uint8), np.zeros(1, bool),
+                                                         stop_ids=stop_ids), _dense(weight), lambda x: x)
+            for token in (2, 5, *stop_ids):
+                torch.testing.assert_close(logits[0, token], (hidden @ weight[:VOCAB].T)[0, token])
+    assert pins.uploads - uploads == 2
+    ids, rows = pins.get((9, 11), weight)
+    assert ids.tolist() == [2, 5, 9, 11] and torch.equal(rows, weight[[2, 5, 9, 11]])
+    for extra in range(20):  # a bounded cache
+        pins.get((100 + extra,), weight)
+    assert len(pins._cache) == pins.capacity

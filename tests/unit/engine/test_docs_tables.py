@@ -1,0 +1,79 @@
+"""docs/flashhead-serving.md lists the reason codes and dense reasons the contract defines, generated
+from `my_pkg.contract`; these tests keep the two in step and print the table to paste when they differ."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import get_args
+
+from my_pkg import contract
+
+ROOT = Path(__file__).resolve().parents[3]
+DOC = ROOT / "docs" / "flashhead-serving.md"
+
+
+def render(name: str) -> str:
+    """The markdown table `name` (`REASON_CODES` or `DENSE_ROW_REASONS`) of `my_pkg.contract`."""
+    table, header = {
+        "REASON_CODES": (contract.REASON_CODES, "| `reason_code` | FlashHead is not active because |"),
+        "DENSE_ROW_REASONS": (contract.DENSE_ROW_REASONS, "| `rows_dense` key | The rows were served dense because |"),
+    }[name]
+    lines = [header, "|---|---|", *(f"| `{key}` | {text} |" for key, text in table.items())]
+    return "\n".join(lines)
+
+
+def _block(text: str, name: str) -> str | None:
+    found = re.search(rf"<!-- generated from my_pkg/contract.py: {name} -->\n(.*?)\n<!-- end {name} -->", text, re.S)
+    return found.group(1) if found else None
+
+
+def test_the_docs_tables_are_generated_from_the_contract():
+    text = DOC.read_text()
+    for name in ("REASON_CODES", "DENSE_ROW_REASONS"):
+        expected = render(name)
+        assert _block(text, name) == expected, f"paste into {DOC.name} between the {name} markers:\n{expected}"
+
+
+def test_the_literals_and_their_tables_name_the_same_codes():
+    assert list(get_args(contract.ReasonCode)) == list(contract.REASON_CODES)
+    assert list(get_args(contract.DenseRowReason)) == list(contract.DENSE_ROW_REASONS)
+    labels = [reason.label for reason in contract.DenseReason]
+    assert list(get_args(contract.DenseRowReason)) == labels + list(get_args(contract.StepDenseReason))
+
+
+def test_every_code_the_engine_writes_is_declared():
+    """String literals the engine gives as a reason code, or counts rows dense under, are in the contract."""
+    code_patterns = (r'make_unavailable\(\s*"(\w+)"', r'status_without_controller\(\s*"(\w+)"',
+                     r'unavailable = \("(\w+)"', r'return "(\w+)", ', r'code, reason = "(\w+)"',
+                     r'unavailable_code = "(\w+)"')
+    reason_patterns = (r'rows_dense\["(\w+)"\]', r'_all_dense\(hidden, dense, "(\w+)"\)',
+                       r'"(\w+)" if "lora" in', r'else "(\w+)"\n')
+    codes, reasons = set(), set()
+    engine = ROOT / "my_pkg" / "engine"
+    for path in [*(engine / "flashhead").rglob("*.py"), *(engine / "patches").rglob("*.py")]:
+        text = path.read_text()
+        for pattern in code_patterns:
+            codes.update(re.findall(pattern, text))
+        for pattern in reason_patterns:
+            reasons.update(re.findall(pattern, text))
+    assert {"quantized_head", "runner_hook_failed", "logits_processor_taken", "assets_invalid"} <= codes
+    assert {"error", "batch_threshold", "lora", "wrapped_head"} <= reasons
+    assert codes <= set(contract.REASON_CODES), codes - set(contract.REASON_CODES)
+    assert reasons <= set(contract.DENSE_ROW_REASONS), reasons - set(contract.DENSE_ROW_REASONS)
+
+
+def test_nothing_outside_the_engine_imports_it():
+    """The engine half is loaded by vLLM; the CLI, the endpoints and the FlashHead core stand without it."""
+    offenders = []
+    for path in (ROOT / "my_pkg").rglob("*.py"):
+        if path.is_relative_to(ROOT / "my_pkg" / "engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            relative_engine = isinstance(node, ast.ImportFrom) and node.level and (module or "").startswith("engine")
+            if any(m.startswith("my_pkg.engine") for m in [module or "", *names]) or relative_engine:
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []
