@@ -27,12 +27,20 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
-__all__ = ["VllmSymbol", "SymbolCheck", "SourceTree", "ENGINE_SYMBOLS", "DEFAULT_VLLM_VERSION", "check_symbols",
-           "fetch_wheel", "main"]
+__all__ = [
+    "VllmSymbol",
+    "SymbolCheck",
+    "SourceTree",
+    "ENGINE_SYMBOLS",
+    "DEFAULT_VLLM_VERSION",
+    "check_symbols",
+    "fetch_wheel",
+    "main",
+]
 
 DEFAULT_VLLM_VERSION = "0.33.0"
 KINDS = ("module", "class", "function", "method", "attribute")
@@ -76,54 +84,101 @@ def _symbols() -> tuple[VllmSymbol, ...]:
         s("vllm", "", "module", rpc),
         s("vllm", "__version__", "attribute", rpc),
         s(worker, "WorkerBase", "class", "engine/patches/worker.py"),
-        *(s(worker, f"WorkerBase.{name}", "attribute", rpc) for name in (
-            "rank", "local_rank", "device", "model_runner", "model_config", "cache_config", "parallel_config",
-            "scheduler_config")),
+        *(
+            s(worker, f"WorkerBase.{name}", "attribute", rpc)
+            for name in (
+                "rank",
+                "local_rank",
+                "device",
+                "model_runner",
+                "model_config",
+                "cache_config",
+                "parallel_config",
+                "scheduler_config",
+            )
+        ),
         s(runner, "GPUModelRunner.kv_caches", "attribute", rpc),
         s("vllm.config", "ParallelConfig.world_size", "attribute", rpc),
-        *(s("vllm.config", f"ModelConfig.{name}", "attribute", users) for name, users in (
-            ("model", f"{rpc}, {lp}"), ("dtype", f"{rpc}, {lp}"), ("served_model_name", rpc), ("max_model_len", rpc),
-            ("revision", lp), ("hf_config", lp), ("head_dtype", lp))),
+        *(
+            s("vllm.config", f"ModelConfig.{name}", "attribute", users)
+            for name, users in (
+                ("model", f"{rpc}, {lp}"),
+                ("dtype", f"{rpc}, {lp}"),
+                ("served_model_name", rpc),
+                ("max_model_len", rpc),
+                ("revision", lp),
+                ("hf_config", lp),
+                ("head_dtype", lp),
+            )
+        ),
         s("vllm.config", "CacheConfig.block_size", "attribute", rpc),
         s("vllm.config", "CacheConfig.num_gpu_blocks", "attribute", rpc),
         # patches/model_registry.py and flashhead_model_entry.py: FlashHead architectures.
         s("vllm", "ModelRegistry", "attribute", reg),
         s("vllm", "ModelRegistry.models", "attribute", reg),
-        s(registry, "_LazyRegisteredModel", "class", f"{reg}, engine/patches/flashhead_model_entry.py",
-          params=("module_name", "class_name"), decorator="dataclass(frozen=True)"),
+        s(
+            registry,
+            "_LazyRegisteredModel",
+            "class",
+            f"{reg}, engine/patches/flashhead_model_entry.py",
+            params=("module_name", "class_name"),
+            decorator="dataclass(frozen=True)",
+        ),
         s(registry, "_LazyRegisteredModel.module_name", "attribute", reg),
         s(registry, "_LazyRegisteredModel.class_name", "attribute", reg),
-        s(registry, "_LazyRegisteredModel.load_model_cls", "method", "engine/patches/flashhead_model_entry.py",
-          params=("self",)),
+        s(
+            registry,
+            "_LazyRegisteredModel.load_model_cls",
+            "method",
+            "engine/patches/flashhead_model_entry.py",
+            params=("self",),
+        ),
         # patches/logits_processor.py: the out-of-tree LogitsProcessor and the configuration it reads.
         s("vllm.config", "get_current_vllm_config", "function", lp),
-        *(s("vllm.config", f"VllmConfig.{name}", "attribute", lp) for name in (
-            "model_config", "parallel_config", "speculative_config", "lora_config")),
+        *(
+            s("vllm.config", f"VllmConfig.{name}", "attribute", lp)
+            for name in ("model_config", "parallel_config", "speculative_config", "lora_config")
+        ),
         s("vllm.config", "VllmConfig.use_v2_model_runner", "attribute", "engine/patches/__init__.py"),
         s("vllm.config", "ParallelConfig.pipeline_parallel_size", "attribute", lp),
         s("vllm.model_executor.custom_op", "op_registry_oot", "attribute", lp),
         s(logits, "LogitsProcessor", "class", lp),
-        s(logits, "LogitsProcessor.forward", "method", lp,
-          params=("self", "lm_head", "hidden_states", "embedding_bias", "skip_gather")),
+        s(
+            logits,
+            "LogitsProcessor.forward",
+            "method",
+            lp,
+            params=("self", "lm_head", "hidden_states", "embedding_bias", "skip_gather"),
+        ),
         s(logits, "LogitsProcessor.register_oot", "method", lp),
-        *(s(logits, f"LogitsProcessor.{name}", "attribute", lp) for name in (
-            "logits_as_input", "org_vocab_size", "soft_cap", "scale")),
+        *(
+            s(logits, f"LogitsProcessor.{name}", "attribute", lp)
+            for name in ("logits_as_input", "org_vocab_size", "soft_cap", "scale")
+        ),
         s("vllm.lora.layers.logits_processor", "LogitsProcessorWithLoRA.base_layer", "attribute", lp),
-        s("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding.quant_method", "attribute",
-          lp),
+        s(
+            "vllm.model_executor.layers.vocab_parallel_embedding",
+            "VocabParallelEmbedding.quant_method",
+            "attribute",
+            lp,
+        ),
         s("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod", "class", lp),
         s("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "class", lp),
         # patches/model_runner.py: the V1 runner's decode step and its input batch.
         s(batch, "InputBatch", "class", mr),
         s(batch, "InputBatch.add_request", "method", mr, params=("self", "request")),
         s(batch, "InputBatch.remove_request", "method", mr, params=("self", "req_id")),
-        *(s(batch, f"InputBatch.{name}", "attribute", mr) for name in (
-            "num_reqs", "req_id_to_index", "temperature_cpu", "logitsprocs")),
+        *(
+            s(batch, f"InputBatch.{name}", "attribute", mr)
+            for name in ("num_reqs", "req_id_to_index", "temperature_cpu", "logitsprocs")
+        ),
         s(batch, "CachedRequestState.req_id", "attribute", mr),
         s(batch, "CachedRequestState.sampling_params", "attribute", mr),
         s("vllm.v1.sample.logits_processor.state", "LogitsProcessors.all", "attribute", mr),
-        *(s("vllm.v1.sample.logits_processor.builtin", name, "class", mr) for name in (
-            "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")),
+        *(
+            s("vllm.v1.sample.logits_processor.builtin", name, "class", mr)
+            for name in ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
+        ),
         s(runner, "GPUModelRunner", "class", mr),
         s(runner, "GPUModelRunner.execute_model", "method", mr, params=("self",)),
         s(runner, "GPUModelRunner.get_model", "method", hooks, params=("self",)),
@@ -146,20 +201,40 @@ def _symbols() -> tuple[VllmSymbol, ...]:
         s(f"{gpu}.sample.sampler", "Sampler.add_request", "method", mr2, params=("self", "req_idx", "sampling_params")),
         s(f"{gpu}.sample.sampler", "Sampler.sampling_states", "attribute", mr2),
         s(f"{gpu}.sample.sampler", "Sampler.logits_processors", "attribute", mr2),
-        *(s(f"{gpu}.sample.states", f"SamplingStates.{name}", "attribute", mr2) for name in (
-            "max_num_reqs", "temperature")),
+        *(
+            s(f"{gpu}.sample.states", f"SamplingStates.{name}", "attribute", mr2)
+            for name in ("max_num_reqs", "temperature")
+        ),
         s(f"{gpu}.buffer_utils", "UvaBackedTensor.np", "attribute", mr2),
-        *(s(f"{gpu}.input_batch", f"InputBatch.{name}", "attribute", mr2) for name in (
-            "num_reqs", "idx_mapping_np", "cu_num_logits_np")),
+        *(
+            s(f"{gpu}.input_batch", f"InputBatch.{name}", "attribute", mr2)
+            for name in ("num_reqs", "idx_mapping_np", "cu_num_logits_np")
+        ),
         s(f"{gpu}.sample.logit_bias", "LogitBiasState", "class", mr2),
         s(f"{gpu}.sample.penalties", "PenaltiesState", "class", mr2),
         s(f"{gpu}.sample.bad_words", "BadWordsState", "class", mr2),
         # flashhead/rows.py: request fields that decide dense vs FlashHead (DENSE_REQUEST_FIELDS and more),
         # and the ids vLLM stops a request on.
-        *(s("vllm.sampling_params", f"SamplingParams.{name}", "attribute", rows) for name in (
-            "logprobs", "logprob_token_ids", "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words",
-            "thinking_token_budget", "watermarking", "extra_args", "stop_token_ids", "all_stop_token_ids",
-            "temperature", "presence_penalty", "frequency_penalty", "repetition_penalty")),
+        *(
+            s("vllm.sampling_params", f"SamplingParams.{name}", "attribute", rows)
+            for name in (
+                "logprobs",
+                "logprob_token_ids",
+                "structured_outputs",
+                "logit_bias",
+                "allowed_token_ids",
+                "bad_words",
+                "thinking_token_budget",
+                "watermarking",
+                "extra_args",
+                "stop_token_ids",
+                "all_stop_token_ids",
+                "temperature",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
+        ),
         # patches/logits_processor.py: the EOS and special ids of the tokenizer vLLM loads.
         s("vllm.tokenizers.registry", "cached_tokenizer_from_config", "function", lp, params=("model_config",)),
     )
@@ -187,7 +262,7 @@ class SourceTree:
         self.files_read: set[str] = set()
 
     @classmethod
-    def from_wheel(cls, wheel: str | Path) -> "SourceTree":
+    def from_wheel(cls, wheel: str | Path) -> SourceTree:
         try:
             archive = zipfile.ZipFile(wheel)
         except (OSError, zipfile.BadZipFile) as exc:
@@ -200,7 +275,7 @@ class SourceTree:
         return cls(read, str(wheel))
 
     @classmethod
-    def from_directory(cls, site: str | Path) -> "SourceTree":
+    def from_directory(cls, site: str | Path) -> SourceTree:
         """Sources under ``site`` (the folder that holds the ``vllm`` package)."""
         root = Path(site)
 
@@ -211,7 +286,7 @@ class SourceTree:
         return cls(read, str(root / "vllm"))
 
     @classmethod
-    def installed(cls) -> "SourceTree":
+    def installed(cls) -> SourceTree:
         """The vLLM importable from this interpreter (located, not imported)."""
         spec = importlib.util.find_spec("vllm")
         if spec is None or not spec.submodule_search_locations:
@@ -262,12 +337,13 @@ class _Found:
     module: str
     node: ast.AST | None = None
     value: ast.AST | None = None  # assigned value, for attributes
-    instance_of: "_Found | None" = None
+    instance_of: _Found | None = None
 
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _runtime_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
@@ -396,8 +472,13 @@ class _Resolver:
             if not isinstance(value, ast.Dict):
                 continue
             for key, target in zip(value.keys, value.values):
-                if (isinstance(key, ast.Constant) and key.value == name and isinstance(target, ast.Constant)
-                        and isinstance(target.value, str) and ":" in target.value):
+                if (
+                    isinstance(key, ast.Constant)
+                    and key.value == name
+                    and isinstance(target, ast.Constant)
+                    and isinstance(target.value, str)
+                    and ":" in target.value
+                ):
                     source, _, attr = target.value.partition(":")
                     level = len(source) - len(source.lstrip("."))
                     return self._imported(self._absolute(module, level, source.lstrip(".") or source), attr, hops)
@@ -444,12 +525,21 @@ class _Resolver:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.args.args:
                 owner = stmt.args.args[0].arg  # self (or cls)
                 for inner in ast.walk(stmt):
-                    targets = (inner.targets if isinstance(inner, ast.Assign)
-                               else [inner.target] if isinstance(inner, (ast.AnnAssign, ast.AugAssign)) else [])
+                    targets = (
+                        inner.targets
+                        if isinstance(inner, ast.Assign)
+                        else [inner.target]
+                        if isinstance(inner, (ast.AnnAssign, ast.AugAssign))
+                        else []
+                    )
                     for target in targets:
-                        for element in (target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]):
-                            if (isinstance(element, ast.Attribute) and element.attr == name
-                                    and isinstance(element.value, ast.Name) and element.value.id == owner):
+                        for element in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                            if (
+                                isinstance(element, ast.Attribute)
+                                and element.attr == name
+                                and isinstance(element.value, ast.Name)
+                                and element.value.id == owner
+                            ):
                                 return _Found("attribute", cls.module, inner)
         for base in self.bases(cls):
             found = self.class_member(base, name, seen)
@@ -469,8 +559,12 @@ class _Resolver:
         for base in reversed(list(self.bases(cls))):
             fields += [f for f in self.dataclass_fields(base, seen) if f not in fields]
         for stmt in node.body:
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and "ClassVar" not in ast.unparse(stmt.annotation) and stmt.target.id not in fields):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and "ClassVar" not in ast.unparse(stmt.annotation)
+                and stmt.target.id not in fields
+            ):
                 fields.append(stmt.target.id)
         return fields
 
@@ -531,8 +625,12 @@ def _check_one(resolver: _Resolver, symbol: VllmSymbol) -> SymbolCheck:
         else:
             names = []
         if tuple(names[: len(symbol.params)]) != symbol.params:
-            return SymbolCheck(symbol, "changed", f"parameters are ({', '.join(names)}), the engine passes "
-                               f"({', '.join(symbol.params)})", where)
+            return SymbolCheck(
+                symbol,
+                "changed",
+                f"parameters are ({', '.join(names)}), the engine passes ({', '.join(symbol.params)})",
+                where,
+            )
     if symbol.subclass_of:
         base_module, _, base_name = symbol.subclass_of.partition(":")
         if not resolver.derives_from(found, base_module, base_name):
@@ -540,8 +638,9 @@ def _check_one(resolver: _Resolver, symbol: VllmSymbol) -> SymbolCheck:
     if symbol.decorator and isinstance(found.node, ast.ClassDef):
         decorators = [ast.unparse(d) for d in found.node.decorator_list]
         if symbol.decorator not in decorators:
-            return SymbolCheck(symbol, "changed", f"decorators are {decorators or 'none'}, the engine needs "
-                               f"@{symbol.decorator}", where)
+            return SymbolCheck(
+                symbol, "changed", f"decorators are {decorators or 'none'}, the engine needs @{symbol.decorator}", where
+            )
     return SymbolCheck(symbol, "ok", "", where)
 
 
@@ -566,8 +665,18 @@ def fetch_wheel(version: str, cache_dir: Path) -> Path:
         return cached[0]
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as staging:  # a partial download never looks cached
-        command = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "--only-binary=:all:",
-                   "--quiet", "-d", staging]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"vllm=={version}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "-d",
+            staging,
+        ]
         print(f"downloading the vLLM {version} wheel (no dependencies) into {cache_dir} ...", flush=True)
         proc = subprocess.run(command, capture_output=True, text=True)
         wheels = sorted(Path(staging).glob(f"vllm-{version}-*.whl"))
@@ -584,8 +693,16 @@ def fetch_wheel(version: str, cache_dir: Path) -> Path:
 
 def format_table(results: list[SymbolCheck]) -> str:
     header = ("status", "module", "name", "kind", "used by")
-    rows = [(r.status.upper() if not r.ok else "ok", r.symbol.module, r.symbol.qualname or "(module)", r.symbol.kind,
-             r.symbol.used_by) for r in results]
+    rows = [
+        (
+            r.status.upper() if not r.ok else "ok",
+            r.symbol.module,
+            r.symbol.qualname or "(module)",
+            r.symbol.kind,
+            r.symbol.used_by,
+        )
+        for r in results
+    ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows)]
     lines.insert(1, "  ".join("-" * width for width in widths))
@@ -593,15 +710,23 @@ def format_table(results: list[SymbolCheck]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m my_pkg.devtools.compat", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m my_pkg.devtools.compat",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     source = ap.add_mutually_exclusive_group()
-    source.add_argument("--vllm-version", default=None,
-                        help=f"release to fetch and check (default {DEFAULT_VLLM_VERSION})")
+    source.add_argument(
+        "--vllm-version", default=None, help=f"release to fetch and check (default {DEFAULT_VLLM_VERSION})"
+    )
     source.add_argument("--wheel", type=Path, default=None, help="check this vLLM wheel file")
     source.add_argument("--installed", action="store_true", help="check the vLLM installed in this environment")
-    ap.add_argument("--cache-dir", type=Path, default=None,
-                    help="where fetched wheels are kept and reused (default: ~/.cache/my_pkg/vllm-wheels)")
+    ap.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where fetched wheels are kept and reused (default: ~/.cache/my_pkg/vllm-wheels)",
+    )
     args = ap.parse_args(argv)
     try:
         if args.installed:
@@ -624,8 +749,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"{len(bad)} missing or changed:")
         for r in bad:
-            print(f"  {r.status}: {r.symbol.name} ({r.symbol.kind}, used by {r.symbol.used_by}): {r.detail}"
-                  + (f" [looked in {r.defined_in}]" if r.defined_in else ""))
+            print(
+                f"  {r.status}: {r.symbol.name} ({r.symbol.kind}, used by {r.symbol.used_by}): {r.detail}"
+                + (f" [looked in {r.defined_in}]" if r.defined_in else "")
+            )
         return EXIT_MISSING
     return EXIT_OK
 

@@ -43,5 +43,7 @@ def register() -> None:
         except Exception as exc:  # noqa: BLE001 - a moved vLLM internal must not break vLLM
             logger.warning(
                 "my_pkg: could not patch %s (%s: %s); that part of the plugin is off and vLLM is unchanged there",
-                module.TARGET, type(exc).__name__, exc,
+                module.TARGET,
+                type(exc).__name__,
+                exc,
             )

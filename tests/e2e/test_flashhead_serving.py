@@ -7,7 +7,6 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from e2e_support import ADMIN_TOKEN, DEFAULT_PROBES, NUM_CLUSTERS, auth, client
 
 pytestmark = pytest.mark.e2e
@@ -16,7 +15,7 @@ PROMPTS = [
     "the world and the sun",
     "hello world",
     "what is the name of the city",
-    "{ \" name \" :",
+    '{ " name " :',
     "water food and fire",
     "one two three four",
 ]
@@ -83,13 +82,22 @@ def test_default_probes_serve_greedy_and_sampled_requests(fh, flashhead_server):
     before = status["counters"]["rows_flashhead"]
     greedy = _complete_all(fh, flashhead_server.model, PROMPTS[:3])
     sampled = _complete_all(
-        fh, flashhead_server.model, PROMPTS[:3],
-        temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
-        frequency_penalty=0.2, presence_penalty=0.2, seed=7,
+        fh,
+        flashhead_server.model,
+        PROMPTS[:3],
+        temperature=0.9,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        frequency_penalty=0.2,
+        presence_penalty=0.2,
+        seed=7,
     )
     assert all(c["text"].strip() for c in greedy + sampled)
-    seeded = [_complete(fh, flashhead_server.model, PROMPTS[0], temperature=0.9, top_p=0.9, seed=7)["text"]
-              for _ in range(2)]
+    seeded = [
+        _complete(fh, flashhead_server.model, PROMPTS[0], temperature=0.9, top_p=0.9, seed=7)["text"] for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]  # a seed reproduces the same text
     assert _status(fh)["counters"]["rows_flashhead"] >= before + 6 * 23
 
@@ -119,8 +127,10 @@ def test_a_request_can_opt_out_of_flashhead(fh, flashhead_server, plain_vllm_ser
     opt_out = {"max_tokens": 24, "return_token_ids": True, "vllm_xargs": {"flashhead": False}}
     ours = [_complete(fh, flashhead_server.model, p, **opt_out)["token_ids"] for p in PROMPTS[:3]]
     with client(plain_vllm_server) as plain:
-        reference = [_complete(plain, plain_vllm_server.model, p, max_tokens=24, return_token_ids=True)["token_ids"]
-                     for p in PROMPTS[:3]]
+        reference = [
+            _complete(plain, plain_vllm_server.model, p, max_tokens=24, return_token_ids=True)["token_ids"]
+            for p in PROMPTS[:3]
+        ]
     assert ours == reference
     assert _status(fh)["counters"]["rows_dense"]["opt_out"] >= before + 3 * 23
 

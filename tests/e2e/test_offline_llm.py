@@ -37,15 +37,19 @@ SCRIPT = textwrap.dedent(
 def test_offline_llm_dense_by_env_then_flashhead_live(flashhead_model, logs_dir):
     from e2e_support import NUM_CLUSTERS
 
-    env = dict(os.environ, MY_PKG_FLASHHEAD="0", VLLM_PLUGINS="my_pkg_engine", HF_HUB_OFFLINE="1",
-               VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(
+        os.environ, MY_PKG_FLASHHEAD="0", VLLM_PLUGINS="my_pkg_engine", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1"
+    )
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(flashhead_model), str(NUM_CLUSTERS)],
-        capture_output=True, text=True, env=env, timeout=900,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     (logs_dir / "offline-llm.log").write_text(done.stdout + done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(out for out in done.stdout.splitlines() if out.startswith("RESULT "))
     result = json.loads(line.removeprefix("RESULT "))
     off, on = result["status_off"], result["status_on"]
     assert off["enabled"] is False and off["counters"]["rows_flashhead"] == 0

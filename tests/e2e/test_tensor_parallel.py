@@ -5,7 +5,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from e2e_support import DEFAULT_PROBES, NUM_CLUSTERS, auth, client
 
 pytestmark = pytest.mark.e2e

@@ -53,7 +53,7 @@ def test_every_attribute_read_on_an_imported_vllm_name_is_in_the_table():
         tree = ast.parse(path.read_text())
         bound = _vllm_bindings(tree)
 
-        def ref(owner: ast.expr, attr: str) -> None:
+        def ref(owner: ast.expr, attr: str, bound: dict = bound) -> None:
             # Python's own: __dict__, __name__ ..., and dict methods on a module-level dict (op_registry_oot.get).
             python_level = (attr.startswith("__") and attr != "__version__") or attr in dir(dict)
             if isinstance(owner, ast.Name) and owner.id in bound and not python_level:
@@ -96,8 +96,10 @@ def test_every_table_entry_is_used_by_the_files_it_names():
         if symbol.qualname.startswith("WorkerBase.") and word in read_by_section:
             continue
         texts = [(ROOT / "my_pkg" / path.strip()).read_text() for path in symbol.used_by.split(",")]
-        if not any(re.search(rf"(?<![\w.]){re.escape(word)}(?!\w)|\.{re.escape(word)}\b|['\"]{re.escape(word)}['\"]",
-                             text) for text in texts):
+        if not any(
+            re.search(rf"(?<![\w.]){re.escape(word)}(?!\w)|\.{re.escape(word)}\b|['\"]{re.escape(word)}['\"]", text)
+            for text in texts
+        ):
             unused.append(symbol.name)
     assert unused == []
 
@@ -182,16 +184,23 @@ def test_fake_wheel_lookup_rules_and_reported_problems(tmp_path):
         s("vllm.layers", "Head.scale", "attribute", "x"): "ok",  # self.scale = ...
         s("vllm.layers", "Head.b", "attribute", "x"): "ok",  # self.a, self.b = ...
         s("vllm.layers", "Head.forward", "method", "x", params=("self", "lm_head", "hidden_states")): "ok",
-        s("vllm.layers", "Head.forward", "method", "x",
-          params=("self", "lm_head", "hidden_states", "embedding_bias")): "changed",
+        s(
+            "vllm.layers", "Head.forward", "method", "x", params=("self", "lm_head", "hidden_states", "embedding_bias")
+        ): "changed",
         s("vllm.layers", "Head.num_reqs", "attribute", "x"): "ok",  # a property reads as an attribute
         s("vllm.layers", "Head.num_reqs", "method", "x"): "changed",
         s("vllm.layers", "Head.remove_request", "method", "x"): "missing",
         s("vllm.layers", "Head", "function", "x"): "changed",
         s("vllm.layers", "Sub", "class", "x", subclass_of="vllm.layers:Pluggable"): "ok",
         s("vllm.layers", "Pluggable", "class", "x", subclass_of="vllm.layers:Head"): "changed",
-        s("vllm.models.registry", "Entry", "class", "x", params=("module_name", "class_name"),
-          decorator="dataclass(frozen=True)"): "ok",
+        s(
+            "vllm.models.registry",
+            "Entry",
+            "class",
+            "x",
+            params=("module_name", "class_name"),
+            decorator="dataclass(frozen=True)",
+        ): "ok",
         s("vllm.models.registry", "_Registry", "class", "x", decorator="dataclass(frozen=True)"): "changed",
         s("vllm.gone", "", "module", "x"): "missing",
         s("vllm.models", "", "module", "x"): "ok",
@@ -216,16 +225,25 @@ def _installed_sources_without(tmp_path: Path, old: str, new: str) -> Path:
 
 def test_command_reports_a_missing_method_and_exits_1(tmp_path):
     wheel = _installed_sources_without(tmp_path, "def remove_request(", "def drop_request(")
-    proc = subprocess.run([sys.executable, "-m", "my_pkg.devtools.compat", "--wheel", str(wheel)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "my_pkg.devtools.compat", "--wheel", str(wheel)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{len(ENGINE_SYMBOLS) - 1} of {len(ENGINE_SYMBOLS)} engine symbols found" in proc.stdout
     assert "missing: vllm.v1.worker.gpu_input_batch.InputBatch.remove_request (method" in proc.stdout
 
 
 def test_a_changed_signature_is_reported(tmp_path, capsys):
-    wheel = _installed_sources_without(tmp_path, "def add_request(\n        self,\n        request:",
-                                       "def add_request(\n        self,\n        req_index: int,\n        request:")
+    wheel = _installed_sources_without(
+        tmp_path,
+        "def add_request(\n        self,\n        request:",
+        "def add_request(\n        self,\n        req_index: int,\n        request:",
+    )
     assert main(["--wheel", str(wheel)]) == 1
     out = capsys.readouterr().out
     assert "changed: vllm.v1.worker.gpu_input_batch.InputBatch.add_request" in out

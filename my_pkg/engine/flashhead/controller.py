@@ -25,9 +25,10 @@ reach it as plain arguments.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,8 +99,13 @@ class FlashHeadController:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: str | None, config: dict[str, Any], *, vocab_size: int,
-        unavailable: tuple[ReasonCode, str] | None = None, pinned_ids: Iterable[int] = (),
+        cls,
+        model_dir: str | None,
+        config: dict[str, Any],
+        *,
+        vocab_size: int,
+        unavailable: tuple[ReasonCode, str] | None = None,
+        pinned_ids: Iterable[int] = (),
     ) -> FlashHeadController:
         """Read the assets named by config.json; a failure leaves the controller unavailable.
 
@@ -117,8 +123,14 @@ class FlashHeadController:
                 pinned.update(stop_and_special_token_ids(model_dir, config))
             except Exception as exc:  # noqa: BLE001 - bad assets mean dense, never a crash
                 unavailable = ("assets_invalid", f"FlashHead assets could not be loaded: {exc}")
-        return cls(centroids=centroids, assignments=assignments, config=config, vocab_size=vocab_size,
-                   unavailable=unavailable, pinned_ids=pinned)
+        return cls(
+            centroids=centroids,
+            assignments=assignments,
+            config=config,
+            vocab_size=vocab_size,
+            unavailable=unavailable,
+            pinned_ids=pinned,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -160,8 +172,7 @@ class FlashHeadController:
                 raise ValueError(f"vocabulary shard [{start}, {end}) is outside [0, {self.vocab_size})")
             if weight.shape[1] != self._centroids.shape[1]:
                 raise ValueError(
-                    f"centroids have hidden size {self._centroids.shape[1]}, "
-                    f"the head has {weight.shape[1]}"
+                    f"centroids have hidden size {self._centroids.shape[1]}, the head has {weight.shape[1]}"
                 )
             self.head = FlashHead(
                 weight,
@@ -183,7 +194,10 @@ class FlashHeadController:
         if self.head is not None:
             logger.info(
                 "my_pkg: FlashHead active: %d clusters of %d, n_probes=%d, backend=%s",
-                self.head.num_clusters, self.head.cluster_size, self.head.n_probes, self.head.backend,
+                self.head.num_clusters,
+                self.head.cluster_size,
+                self.head.n_probes,
+                self.head.backend,
             )
 
     def warm_up(self, hidden: torch.Tensor) -> None:
@@ -294,7 +308,9 @@ class FlashHeadController:
         self.counters.rows_flashhead += num_rows - int(dense_rows.size)
         return logits
 
-    def _all_dense(self, hidden: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor], reason: str) -> torch.Tensor:
+    def _all_dense(
+        self, hidden: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor], reason: str
+    ) -> torch.Tensor:
         self.counters.rows_dense[reason] += hidden.shape[0]
         return dense(hidden)
 
@@ -306,8 +322,11 @@ class FlashHeadController:
         if kind not in self._warned:
             self._warned.add(kind)
             logger.warning(
-                "my_pkg: FlashHead step failed, served dense instead (%s: %s); "
-                "further %s failures are only counted", kind, exc, kind, exc_info=exc,
+                "my_pkg: FlashHead step failed, served dense instead (%s: %s); further %s failures are only counted",
+                kind,
+                exc,
+                kind,
+                exc_info=exc,
             )
 
     # ---- control ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ never waits for the device on the step path.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -68,5 +68,7 @@ class PinnedRows:
     @property
     def nbytes(self) -> int:
         """Device bytes held by the cached ids and weight rows."""
-        return sum(ids.numel() * ids.element_size() + rows.numel() * rows.element_size()
-                   for ids, rows in (entry for entry in self._cache.values() if entry is not None))
+        return sum(
+            ids.numel() * ids.element_size() + rows.numel() * rows.element_size()
+            for ids, rows in (entry for entry in self._cache.values() if entry is not None)
+        )

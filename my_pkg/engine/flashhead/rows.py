@@ -15,8 +15,15 @@ import numpy as np
 
 from my_pkg.contract import DenseReason
 
-__all__ = ["DENSE_REQUEST_FIELDS", "FLASHHEAD_REQUEST_FIELDS", "OPT_OUT_ARG", "DenseReason", "StepRows",
-           "request_dense_reason", "request_stop_ids"]
+__all__ = [
+    "DENSE_REQUEST_FIELDS",
+    "FLASHHEAD_REQUEST_FIELDS",
+    "OPT_OUT_ARG",
+    "DenseReason",
+    "StepRows",
+    "request_dense_reason",
+    "request_stop_ids",
+]
 
 #: `SamplingParams` fields that need exact dense logits when a request sets them, checked in this order.
 DENSE_REQUEST_FIELDS: dict[str, DenseReason] = {
@@ -33,15 +40,41 @@ DENSE_REQUEST_FIELDS: dict[str, DenseReason] = {
 #: handling run on the candidates' exact logits, or the field does not touch logits at all.
 #: Prompt logprobs come from a separate logits call over the prompt, which is always dense:
 #: the request's generated tokens can still use FlashHead.
-FLASHHEAD_REQUEST_FIELDS = frozenset({
-    "prompt_logprobs", "prompt_logprob_token_ids",
-    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
-    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
-    "prompt_logprob_start", "flat_logprobs", "detokenize", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output", "output_kind", "stream_interval",
-    "skip_clone", "output_text_buffer_length", "extra_args", "skip_reading_prefix_cache",
-    "repetition_detection", "routed_experts_prompt_start", "trace_decode_token_ids",
-})
+FLASHHEAD_REQUEST_FIELDS = frozenset(
+    {
+        "prompt_logprobs",
+        "prompt_logprob_token_ids",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "max_tokens",
+        "min_tokens",
+        "prompt_logprob_start",
+        "flat_logprobs",
+        "detokenize",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "output_kind",
+        "stream_interval",
+        "skip_clone",
+        "output_text_buffer_length",
+        "extra_args",
+        "skip_reading_prefix_cache",
+        "repetition_detection",
+        "routed_experts_prompt_start",
+        "trace_decode_token_ids",
+    }
+)
 #: `vllm_xargs` key a request sets to false to be served by the dense head.
 OPT_OUT_ARG = "flashhead"
 
@@ -61,9 +94,11 @@ def _is_penalized_greedy(sampling_params: Any) -> bool:
     probed clusters (measured in docs/flashhead-serving.md), so it is served by the dense head."""
     if float(getattr(sampling_params, "temperature", 1.0) or 0.0) >= GREEDY_TEMPERATURE:
         return False
-    return (abs(float(getattr(sampling_params, "presence_penalty", 0.0) or 0.0)) > 0.0
-            or abs(float(getattr(sampling_params, "frequency_penalty", 0.0) or 0.0)) > 0.0
-            or abs(float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0) - 1.0) > 0.0)
+    return (
+        abs(float(getattr(sampling_params, "presence_penalty", 0.0) or 0.0)) > 0.0
+        or abs(float(getattr(sampling_params, "frequency_penalty", 0.0) or 0.0)) > 0.0
+        or abs(float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0) - 1.0) > 0.0
+    )
 
 
 def _is_set(value: Any, default: Any) -> bool:
@@ -78,6 +113,7 @@ def _is_set(value: Any, default: Any) -> bool:
 def _differs(value: Any, default: Any) -> bool:
     """An unknown field is set when it is not its default (a literal `False` against a `True` default
     included); an empty collection counts as an unset `None`."""
+
     def unset(x: Any) -> bool:
         return x is None or (isinstance(x, (list, tuple, dict, set, frozenset)) and not x)
 

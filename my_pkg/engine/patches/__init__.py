@@ -87,5 +87,6 @@ def no_controller_status() -> Any:
     error = _hook_errors.get("logits_processor")
     if error is not None:
         return status_without_controller(
-            "logits_processor_taken", f"FlashHead cannot hook vLLM's logits: {error}; dense head in use")
+            "logits_processor_taken", f"FlashHead cannot hook vLLM's logits: {error}; dense head in use"
+        )
     return status_without_controller()

@@ -59,13 +59,13 @@ def _unsupported_reason(vllm_config: Any) -> tuple[str, str] | None:
             "speculative decoding is enabled (draft/verify rows need dense logits); dense head in use"
         )
     if getattr(vllm_config, "lora_config", None) is not None:
-        return "lora", (
-            "LoRA is enabled (adapters change the logits, which FlashHead cannot see); dense head in use"
-        )
+        return "lora", ("LoRA is enabled (adapters change the logits, which FlashHead cannot see); dense head in use")
     model_config = vllm_config.model_config
     head_dtype = getattr(model_config, "head_dtype", None)
     if head_dtype is not None and head_dtype != model_config.dtype:
-        return "head_dtype", f"head_dtype {head_dtype} differs from the model dtype {model_config.dtype}; dense head in use"
+        return "head_dtype", (
+            f"head_dtype {head_dtype} differs from the model dtype {model_config.dtype}; dense head in use"
+        )
     return None
 
 
@@ -197,7 +197,8 @@ def subclass() -> type:
                 elif controller.head is not None and controller.head.weight is not lm_head.weight:
                     controller.head = None
                     controller.make_unavailable(
-                        "build_failed", "the LM head's weight changed after FlashHead was built; dense head in use")
+                        "build_failed", "the LM head's weight changed after FlashHead was built; dense head in use"
+                    )
                 rows = controller.take_step()
             except Exception as exc:  # noqa: BLE001 - FlashHead must never take the engine down
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
@@ -207,6 +208,7 @@ def subclass() -> type:
             if getattr(lm_head, "tp_size", 1) > 1:
                 return self._sharded_step(controller, lm_head, hidden_states, rows)
             try:
+
                 def dense(rows_hidden):
                     return vllm_forward(self, lm_head, rows_hidden)
 

@@ -82,8 +82,12 @@ def apply() -> None:
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    require((InputBatch, "add_request"), (InputBatch, "remove_request"), (GPUModelRunner, "execute_model"),
-            (GPUModelRunner, "load_model"))
+    require(
+        (InputBatch, "add_request"),
+        (InputBatch, "remove_request"),
+        (GPUModelRunner, "execute_model"),
+        (GPUModelRunner, "load_model"),
+    )
     try:  # the CPU runner loads its model without calling GPUModelRunner.load_model
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     except ImportError:
@@ -122,11 +126,15 @@ def apply() -> None:
             controller = controller_of_runner(self)
         except Exception:  # noqa: BLE001 - without a controller the step is simply dense
             controller = None
-        return run_armed(controller, lambda: step_rows(self.input_batch),
-                         lambda: original_execute(self, *args, **kwargs))
+        return run_armed(
+            controller, lambda: step_rows(self.input_batch), lambda: original_execute(self, *args, **kwargs)
+        )
 
-    for owner, name, hook in ((InputBatch, "add_request", add_request), (InputBatch, "remove_request", remove_request),
-                              (GPUModelRunner, "execute_model", execute_model)):
+    for owner, name, hook in (
+        (InputBatch, "add_request", add_request),
+        (InputBatch, "remove_request", remove_request),
+        (GPUModelRunner, "execute_model", execute_model),
+    ):
         if not getattr(getattr(owner, name), WRAPPED, False):  # applying twice wraps once
             setattr(hook, WRAPPED, True)
             setattr(owner, name, hook)

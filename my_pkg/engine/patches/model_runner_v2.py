@@ -133,8 +133,11 @@ def apply() -> None:
             sampler = self.sampler
         except Exception:  # noqa: BLE001 - without a controller the step is simply dense
             controller = None
-        return run_armed(controller, lambda: step_rows(sampler, input_batch),
-                         lambda: original_sample(self, hidden_states, input_batch, *args, **kwargs))
+        return run_armed(
+            controller,
+            lambda: step_rows(sampler, input_batch),
+            lambda: original_sample(self, hidden_states, input_batch, *args, **kwargs),
+        )
 
     for owner, name, hook in ((Sampler, "add_request", add_request), (GPUModelRunner, "sample", sample)):
         if not getattr(getattr(owner, name), WRAPPED, False):  # applying twice wraps once

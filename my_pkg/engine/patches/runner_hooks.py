@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from my_pkg.engine.flashhead.controller import FlashHeadController
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows, request_dense_reason, request_stop_ids
@@ -30,8 +31,9 @@ def warn_once(hook: str, exc: BaseException) -> None:
     """Log a hook's failure once per hook; vLLM's own behaviour is kept."""
     if hook not in _warned:
         _warned.add(hook)
-        logger.warning("my_pkg: %s hook failed (%s: %s); vLLM's own behaviour kept", hook,
-                       type(exc).__name__, exc, exc_info=exc)
+        logger.warning(
+            "my_pkg: %s hook failed (%s: %s); vLLM's own behaviour kept", hook, type(exc).__name__, exc, exc_info=exc
+        )
 
 
 def require(*methods: tuple[type, str]) -> None:
@@ -42,6 +44,7 @@ def require(*methods: tuple[type, str]) -> None:
 
 
 # ---- the lookups -----------------------------------------------------------------------------
+
 
 def controller_of_runner(runner: Any) -> FlashHeadController | None:
     """The controller of the model `runner` runs; looked up once the model is loaded, then cached."""
@@ -71,6 +74,7 @@ def find_controller(worker: Any) -> FlashHeadController | None:
 
 
 # ---- a request, a step -----------------------------------------------------------------------
+
 
 def classify(sampling_params: Any) -> tuple[int, tuple[int, ...]]:
     """`(dense code, stop ids)` of a request joining the batch: 0 when FlashHead may serve its rows;
@@ -106,6 +110,7 @@ def run_armed(controller: FlashHeadController | None, rows: Callable[[], StepRow
 
 
 # ---- right after the weights load ------------------------------------------------------------
+
 
 def hook_load_model(owner: type) -> None:
     """Wrap `owner.load_model` (when `owner` defines its own) to build the head right after it."""

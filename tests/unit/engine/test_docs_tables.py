@@ -45,11 +45,20 @@ def test_the_literals_and_their_tables_name_the_same_codes():
 
 def test_every_code_the_engine_writes_is_declared():
     """String literals the engine gives as a reason code, or counts rows dense under, are in the contract."""
-    code_patterns = (r'make_unavailable\(\s*"(\w+)"', r'status_without_controller\(\s*"(\w+)"',
-                     r'unavailable = \("(\w+)"', r'return "(\w+)", ', r'code, reason = "(\w+)"',
-                     r'unavailable_code = "(\w+)"')
-    reason_patterns = (r'rows_dense\["(\w+)"\]', r'_all_dense\(hidden, dense, "(\w+)"\)',
-                       r'"(\w+)" if "lora" in', r'else "(\w+)"\n')
+    code_patterns = (
+        r'make_unavailable\(\s*"(\w+)"',
+        r'status_without_controller\(\s*"(\w+)"',
+        r'unavailable = \("(\w+)"',
+        r'return "(\w+)", ',
+        r'code, reason = "(\w+)"',
+        r'unavailable_code = "(\w+)"',
+    )
+    reason_patterns = (
+        r'rows_dense\["(\w+)"\]',
+        r'_all_dense\(hidden, dense, "(\w+)"\)',
+        r'"(\w+)" if "lora" in',
+        r'else "(\w+)"\n',
+    )
     codes, reasons = set(), set()
     engine = ROOT / "my_pkg" / "engine"
     for path in [*(engine / "flashhead").rglob("*.py"), *(engine / "patches").rglob("*.py")]:

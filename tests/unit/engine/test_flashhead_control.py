@@ -27,7 +27,9 @@ def controller(weight, monkeypatch) -> FlashHeadController:
     assignments = torch.randperm(VOCAB) % CLUSTERS
     centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
     ctl = FlashHeadController(
-        centroids=centroids, assignments=assignments, config={"n_probes": 4},
+        centroids=centroids,
+        assignments=assignments,
+        config={"n_probes": 4},
         vocab_size=VOCAB,
     )
     ctl.bind(weight)
@@ -65,7 +67,7 @@ def test_rows_that_need_dense_get_vllm_logits_and_are_counted_by_reason(controll
         finite = torch.isfinite(logits[row])
         assert CAP <= int(finite.sum()) <= 4 * CAP
         torch.testing.assert_close(logits[row][finite], dense[row][finite])
-        alone = controller.compute_logits(hidden[row:row + 1], _rows([0]), _dense(weight), lambda x: x)
+        alone = controller.compute_logits(hidden[row : row + 1], _rows([0]), _dense(weight), lambda x: x)
         assert torch.equal(torch.isfinite(alone[0]), finite)
     assert controller.counters.rows_flashhead == 4
     assert controller.counters.rows_dense == {"logprobs": 1, "structured_output": 1}
@@ -169,8 +171,10 @@ def test_fallback_is_counted_and_logged_once(controller, caplog):
 
 def test_assets_that_do_not_match_the_vocabulary_leave_it_unavailable(weight):
     ctl = FlashHeadController(
-        centroids=torch.randn(4, HIDDEN), assignments=torch.zeros(10, dtype=torch.long),
-        config={}, vocab_size=VOCAB,
+        centroids=torch.randn(4, HIDDEN),
+        assignments=torch.zeros(10, dtype=torch.long),
+        config={},
+        vocab_size=VOCAB,
     )
     ctl.bind(weight)
     assert ctl.head is None and not ctl.available
@@ -183,16 +187,20 @@ def test_environment_sets_start_up_settings(weight, monkeypatch):
     monkeypatch.setenv("MY_PKG_FLASHHEAD_N_PROBES", "3")
     monkeypatch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", "9")
     ctl = FlashHeadController(
-        centroids=torch.randn(CLUSTERS, HIDDEN), assignments=torch.randperm(VOCAB) % CLUSTERS,
-        config={"n_probes": 5}, vocab_size=VOCAB,
+        centroids=torch.randn(CLUSTERS, HIDDEN),
+        assignments=torch.randperm(VOCAB) % CLUSTERS,
+        config={"n_probes": 5},
+        vocab_size=VOCAB,
     )
     assert (ctl.settings.enabled, ctl.settings.n_probes, ctl.settings.dense_batch_threshold) == (False, 3, 9)
 
 
 def test_settings_can_change_before_the_head_is_built(weight):
     ctl = FlashHeadController(
-        centroids=torch.randn(CLUSTERS, HIDDEN), assignments=torch.randperm(VOCAB) % CLUSTERS,
-        config={"n_probes": 5}, vocab_size=VOCAB,
+        centroids=torch.randn(CLUSTERS, HIDDEN),
+        assignments=torch.randperm(VOCAB) % CLUSTERS,
+        config={"n_probes": 5},
+        vocab_size=VOCAB,
     )
     assert ctl.head is None
     assert ctl.status().num_clusters == CLUSTERS and ctl.status().cluster_size == CAP
@@ -206,8 +214,9 @@ def test_settings_can_change_before_the_head_is_built(weight):
 def _pinned_controller(weight, pinned, n_probes=1):
     assignments = torch.arange(VOCAB) // CAP  # token t lives in cluster t // CAP
     centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
-    ctl = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": n_probes},
-                              vocab_size=VOCAB, pinned_ids=pinned)
+    ctl = FlashHeadController(
+        centroids=centroids, assignments=assignments, config={"n_probes": n_probes}, vocab_size=VOCAB, pinned_ids=pinned
+    )
     ctl.prepare(weight)
     return ctl
 
@@ -218,8 +227,11 @@ def _hidden_far_from_cluster_of(weight, token):
     for _ in range(2000):
         hidden = torch.randn(1, HIDDEN) * 3
         scores = hidden @ weight[:VOCAB].T
-        centroid_best = int((hidden @ torch.stack(
-            [weight[:VOCAB][c * CAP:(c + 1) * CAP].mean(0) for c in range(CLUSTERS)]).T).argmax())
+        centroid_best = int(
+            (
+                hidden @ torch.stack([weight[:VOCAB][c * CAP : (c + 1) * CAP].mean(0) for c in range(CLUSTERS)]).T
+            ).argmax()
+        )
         if int(scores.argmax()) == token and centroid_best != token // CAP:
             return hidden
     raise AssertionError("no such hidden state")
@@ -254,9 +266,17 @@ def test_stop_and_special_token_ids_come_from_the_model_files(tmp_path):
     from my_pkg.flashhead.assets import stop_and_special_token_ids
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {
-        "0": {"content": "<unk>", "special": True}, "5": {"content": "<|user|>", "special": True},
-        "9": {"content": "word", "special": False}}}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "added_tokens_decoder": {
+                    "0": {"content": "<unk>", "special": True},
+                    "5": {"content": "<|user|>", "special": True},
+                    "9": {"content": "word", "special": False},
+                }
+            }
+        )
+    )
     assert stop_and_special_token_ids(tmp_path, {"eos_token_id": 3}) == [0, 2, 3, 5, 7]
     assert stop_and_special_token_ids(tmp_path / "missing", {"text_config": {"eos_token_id": [4]}}) == [4]
 
@@ -290,6 +310,7 @@ def test_fidelity_telemetry_off(weight, monkeypatch):
 
 # ---- no host synchronisation on the step path -------------------------------------------------
 
+
 class _NoHostWait(torch.utils._python_dispatch.TorchDispatchMode):
     """Fails on any op that makes the host wait for the device: reading a value back (`.item()`,
     `bool(t)`, `int(t)`), an op whose output shape depends on the data, or a copy between devices that
@@ -297,9 +318,13 @@ class _NoHostWait(torch.utils._python_dispatch.TorchDispatchMode):
     pageable, blocking upload on an accelerator) is refused by `_refuse_blocking_uploads` as well."""
 
     SYNCING = {
-        torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-        torch.ops.aten.masked_select.default, torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default,
-        torch.ops.aten._unique2.default, torch.ops.aten.unique_consecutive.default,
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten.equal.default,
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten._unique2.default,
+        torch.ops.aten.unique_consecutive.default,
     }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -376,8 +401,12 @@ def test_pinned_ids_are_cached_per_stop_id_set_with_their_weight_rows(weight):
     hidden = torch.randn(1, HIDDEN)
     for _ in range(3):  # mixed traffic alternating two sets uploads each once
         for stop_ids in ((7,), (9, 11)):
-            logits = ctl.compute_logits(hidden, StepRows(np.zeros(1, np.uint8), np.zeros(1, bool),
-                                                         stop_ids=stop_ids), _dense(weight), lambda x: x)
+            logits = ctl.compute_logits(
+                hidden,
+                StepRows(np.zeros(1, np.uint8), np.zeros(1, bool), stop_ids=stop_ids),
+                _dense(weight),
+                lambda x: x,
+            )
             for token in (2, 5, *stop_ids):
                 torch.testing.assert_close(logits[0, token], (hidden @ weight[:VOCAB].T)[0, token])
     assert pins.uploads - uploads == 2

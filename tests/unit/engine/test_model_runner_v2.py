@@ -42,13 +42,12 @@ def v2(monkeypatch):
 
     def apply_write_on_cpu(self) -> None:  # what V2's `_apply_write_kernel` does on the device
         start_of_next = 0
-        for index, start, end in zip(self._staged_write_indices, self._staged_write_starts,
-                                     self._staged_write_cu_lens):
+        for index, start, end in zip(self._staged_write_indices, self._staged_write_starts, self._staged_write_cu_lens):
             values = torch.tensor(self._staged_write_contents[start_of_next:end], dtype=self.gpu.dtype)
             if self.gpu.dim() == 1:
                 self.gpu[index] = values[0]
             else:
-                self.gpu[index, start:start + values.numel()] = values
+                self.gpu[index, start : start + values.numel()] = values
             start_of_next = end
         self.clear_staged_writes()
 
@@ -65,9 +64,11 @@ def _greedy_sampler_class(sampler_class):
         def __call__(self, logits, input_batch):
             self.seen_logits = logits
             num_reqs = input_batch.num_reqs
-            return SimpleNamespace(sampled_token_ids=logits.argmax(dim=1, keepdim=True),
-                                   num_sampled=torch.ones(num_reqs, dtype=torch.int32),
-                                   num_rejected=torch.zeros(num_reqs, dtype=torch.int32))
+            return SimpleNamespace(
+                sampled_token_ids=logits.argmax(dim=1, keepdim=True),
+                num_sampled=torch.ones(num_reqs, dtype=torch.int32),
+                num_rejected=torch.zeros(num_reqs, dtype=torch.int32),
+            )
 
     return GreedyCpuSampler
 
@@ -100,12 +101,19 @@ def _vllm_config(model_dir, *, use_v2: bool, flashhead: bool = True):
     hf = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "n_probes": 2}
     if flashhead:
         hf["flash_head_cache_dir"] = "flash_head_assets"
-    model_config = SimpleNamespace(model=str(model_dir), revision=None, dtype=torch.float32, head_dtype=None,
-                                   hf_config=SimpleNamespace(to_dict=lambda: dict(hf)))
+    model_config = SimpleNamespace(
+        model=str(model_dir),
+        revision=None,
+        dtype=torch.float32,
+        head_dtype=None,
+        hf_config=SimpleNamespace(to_dict=lambda: dict(hf)),
+    )
     return SimpleNamespace(
         model_config=model_config,
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        speculative_config=None, lora_config=None, use_v2_model_runner=use_v2,
+        speculative_config=None,
+        lora_config=None,
+        use_v2_model_runner=use_v2,
         device_config=SimpleNamespace(device_type="cpu"),
     )
 
@@ -133,14 +141,22 @@ def _runner(v2, model=None):
     cpu = torch.device("cpu")
     runner = v2.GPUModelRunner.__new__(v2.GPUModelRunner)
     runner.max_num_reqs, runner.decode_query_len, runner.vocab_size = SLOTS, 1, VOCAB
-    runner.req_states = RequestState(max_num_reqs=SLOTS, max_model_len=64, max_num_batched_tokens=64,
-                                     num_speculative_steps=0, vocab_size=VOCAB, device=cpu)
-    runner.sampler = _greedy_sampler_class(v2.Sampler)(vllm_config=VllmConfig(), max_num_reqs=SLOTS, vocab_size=VOCAB,
-                                                       device=cpu, req_states=runner.req_states)
+    runner.req_states = RequestState(
+        max_num_reqs=SLOTS,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        num_speculative_steps=0,
+        vocab_size=VOCAB,
+        device=cpu,
+    )
+    runner.sampler = _greedy_sampler_class(v2.Sampler)(
+        vllm_config=VllmConfig(), max_num_reqs=SLOTS, vocab_size=VOCAB, device=cpu, req_states=runner.req_states
+    )
     runner.prompt_logprobs_worker = PromptLogprobsWorker(SLOTS, cpu)
     runner.lora_state = LoraState(SLOTS)
-    runner.model_state = SimpleNamespace(add_request=lambda *a: None, remove_request=lambda *a: None,
-                                         apply_staged_writes=lambda: None)
+    runner.model_state = SimpleNamespace(
+        add_request=lambda *a: None, remove_request=lambda *a: None, apply_staged_writes=lambda: None
+    )
     runner.block_tables = SimpleNamespace(append_block_ids=lambda *a, **k: None)
     runner.kv_block_zeroer = None
     runner.adaptive_verification = runner.pooling_runner = runner.encoder_cache = runner.pp_handler = None
@@ -155,9 +171,17 @@ def _request(req_id, **sampling):
     from vllm.v1.core.sched.output import NewRequestData
 
     prompt = [1, 2, 3]
-    return NewRequestData(req_id=req_id, prompt_token_ids=prompt, mm_features=[],
-                          sampling_params=SamplingParams(**sampling), pooling_params=None, block_ids=([],),
-                          num_computed_tokens=0, lora_request=None, prefill_token_ids=prompt)
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        mm_features=[],
+        sampling_params=SamplingParams(**sampling),
+        pooling_params=None,
+        block_ids=([],),
+        num_computed_tokens=0,
+        lora_request=None,
+        prefill_token_ids=prompt,
+    )
 
 
 def _step(runner, *, new=(), finished=(), decoding=()):
@@ -177,8 +201,9 @@ def _step(runner, *, new=(), finished=(), decoding=()):
     num_reqs = len(state.req_ids)
     batch = InputBatch.make_dummy(num_reqs, num_reqs, InputBuffers(SLOTS, 64, torch.device("cpu")))
     slots = torch.from_numpy(state.idx_mapping_np).to(torch.int64)
-    return dataclasses.replace(batch, req_ids=state.req_ids, idx_mapping_np=state.idx_mapping_np,
-                               idx_mapping=slots, expanded_idx_mapping=slots)
+    return dataclasses.replace(
+        batch, req_ids=state.req_ids, idx_mapping_np=state.idx_mapping_np, idx_mapping=slots, expanded_idx_mapping=slots
+    )
 
 
 def _by_request(batch, values):
@@ -188,31 +213,47 @@ def _by_request(batch, values):
 def test_rows_follow_v2s_slots_across_removals_and_reuse(v2):
     model_runner_v2.apply()
     runner = _runner(v2)
-    batch = _step(runner, new=[
-        _request("greedy", temperature=0.0),
-        _request("logprobs", temperature=0.0, logprobs=1),
-        _request("seeded", temperature=0.8, seed=7, stop_token_ids=[STOP]),
-        _request("sampled", temperature=0.9),
-    ])
+    batch = _step(
+        runner,
+        new=[
+            _request("greedy", temperature=0.0),
+            _request("logprobs", temperature=0.0, logprobs=1),
+            _request("seeded", temperature=0.8, seed=7, stop_token_ids=[STOP]),
+            _request("sampled", temperature=0.9),
+        ],
+    )
     rows = model_runner_v2.step_rows(runner.sampler, batch)
-    assert _by_request(batch, rows.dense_codes) == {"greedy": 0, "logprobs": DenseReason.LOGPROBS, "seeded": 0,
-                                                    "sampled": 0}
+    assert _by_request(batch, rows.dense_codes) == {
+        "greedy": 0,
+        "logprobs": DenseReason.LOGPROBS,
+        "seeded": 0,
+        "sampled": 0,
+    }
     assert _by_request(batch, rows.sampled) == {"greedy": False, "logprobs": False, "seeded": True, "sampled": True}
     assert rows.stop_ids == (STOP,)
 
     freed = runner.req_states.req_id_to_index["seeded"]
-    batch = _step(runner, finished={"seeded"}, new=[_request("late", temperature=0.5, logit_bias={4: 1.0})],
-                  decoding=("greedy", "logprobs", "sampled"))
+    batch = _step(
+        runner,
+        finished={"seeded"},
+        new=[_request("late", temperature=0.5, logit_bias={4: 1.0})],
+        decoding=("greedy", "logprobs", "sampled"),
+    )
     assert runner.req_states.req_id_to_index["late"] == freed  # V2 hands the freed slot to the next request
     assert batch.req_ids[:3] == ["greedy", "logprobs", "sampled"]  # V2 orders decodes before prefills
     rows = model_runner_v2.step_rows(runner.sampler, batch)
-    assert _by_request(batch, rows.dense_codes) == {"greedy": 0, "logprobs": DenseReason.LOGPROBS, "sampled": 0,
-                                                    "late": DenseReason.LOGIT_BIAS}
+    assert _by_request(batch, rows.dense_codes) == {
+        "greedy": 0,
+        "logprobs": DenseReason.LOGPROBS,
+        "sampled": 0,
+        "late": DenseReason.LOGIT_BIAS,
+    }
     assert _by_request(batch, rows.sampled) == {"greedy": False, "logprobs": False, "sampled": True, "late": True}
     assert rows.stop_ids == ()  # the seeded request and its stop ids left with its slot
 
-    batch = _step(runner, finished={"late", "logprobs"}, new=[_request("again", temperature=0.0)],
-                  decoding=("greedy", "sampled"))
+    batch = _step(
+        runner, finished={"late", "logprobs"}, new=[_request("again", temperature=0.0)], decoding=("greedy", "sampled")
+    )
     rows = model_runner_v2.step_rows(runner.sampler, batch)
     assert _by_request(batch, rows.dense_codes) == {"greedy": 0, "sampled": 0, "again": 0}
 
@@ -278,11 +319,14 @@ def test_sample_serves_the_decode_step_through_flashhead_and_nothing_else(v2, tm
     controller = processor._my_pkg_flashhead
     assert controller.available and getattr(v2.GPUModelRunner.sample, "_my_pkg_wrapped", False)
     runner = _runner(v2, TinyLM(processor, lm_head))
-    batch = _step(runner, new=[
-        _request("greedy", temperature=0.0),
-        _request("logprobs", temperature=0.0, logprobs=1),
-        _request("seeded", temperature=0.8, seed=7, stop_token_ids=[STOP]),
-    ])
+    batch = _step(
+        runner,
+        new=[
+            _request("greedy", temperature=0.0),
+            _request("logprobs", temperature=0.0, logprobs=1),
+            _request("seeded", temperature=0.8, seed=7, stop_token_ids=[STOP]),
+        ],
+    )
     hidden = torch.randn(batch.num_reqs, HIDDEN)
     dense = hidden @ lm_head.weight.T
 

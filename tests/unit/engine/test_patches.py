@@ -158,7 +158,10 @@ def processor_and_head():
     assignments = torch.randperm(VOCAB) % (VOCAB // CAP)
     centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(VOCAB // CAP)])
     processor._my_pkg_flashhead = FlashHeadController(
-        centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB,
+        centroids=centroids,
+        assignments=assignments,
+        config={"n_probes": 2},
+        vocab_size=VOCAB,
     )
     return processor, lm_head
 
@@ -252,18 +255,27 @@ def test_a_failing_step_description_falls_back_to_dense(processor_and_head):
     ],
 )
 def test_unsupported_configurations_are_dense_with_a_reason(change, code, fragment):
-    parallel = SimpleNamespace(tensor_parallel_size=change.get("tensor_parallel_size", 1),
-                               pipeline_parallel_size=change.get("pipeline_parallel_size", 1))
+    parallel = SimpleNamespace(
+        tensor_parallel_size=change.get("tensor_parallel_size", 1),
+        pipeline_parallel_size=change.get("pipeline_parallel_size", 1),
+    )
     model = SimpleNamespace(dtype=torch.bfloat16, head_dtype=change.get("head_dtype"))
-    config = SimpleNamespace(parallel_config=parallel, model_config=model,
-                             speculative_config=change.get("speculative_config"),
-                             lora_config=change.get("lora_config"),
-                             use_v2_model_runner=change.get("use_v2_model_runner", False))
+    config = SimpleNamespace(
+        parallel_config=parallel,
+        model_config=model,
+        speculative_config=change.get("speculative_config"),
+        lora_config=change.get("lora_config"),
+        use_v2_model_runner=change.get("use_v2_model_runner", False),
+    )
     found_code, message = logits_processor._unsupported_reason(config)
     assert found_code == code and fragment in message
-    plain = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-                            model_config=SimpleNamespace(dtype=torch.bfloat16, head_dtype=None),
-                            speculative_config=None, lora_config=None, use_v2_model_runner=False)
+    plain = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, head_dtype=None),
+        speculative_config=None,
+        lora_config=None,
+        use_v2_model_runner=False,
+    )
     assert logits_processor._unsupported_reason(plain) is None
 
 
@@ -306,8 +318,12 @@ def test_the_lora_wrapper_gets_vllms_own_logits(processor_and_head, with_control
 
 def test_an_unknown_caller_of_forward_gets_vllms_forward(processor_and_head):
     processor, lm_head = processor_and_head
-    stranger = SimpleNamespace(logits_as_input=False, soft_cap=None, scale=1.0,
-                               _get_logits=lambda hidden, head, bias, skip: hidden @ head.weight[:VOCAB].T)
+    stranger = SimpleNamespace(
+        logits_as_input=False,
+        soft_cap=None,
+        scale=1.0,
+        _get_logits=lambda hidden, head, bias, skip: hidden @ head.weight[:VOCAB].T,
+    )
     hidden = torch.randn(2, HIDDEN)
     logits = type(processor).forward(stranger, lm_head, hidden)
     torch.testing.assert_close(logits, hidden @ lm_head.weight[:VOCAB].T)
@@ -324,8 +340,11 @@ def test_input_batch_hooks_never_raise_into_vllm(monkeypatch):
     monkeypatch.setattr(InputBatch, "remove_request", lambda self, req_id: seen.append(("remove", req_id)) or 3)
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    for runner_class, name in ((GPUModelRunner, "execute_model"), (GPUModelRunner, "load_model"),
-                               (CPUModelRunner, "load_model")):
+    for runner_class, name in (
+        (GPUModelRunner, "execute_model"),
+        (GPUModelRunner, "load_model"),
+        (CPUModelRunner, "load_model"),
+    ):
         monkeypatch.setattr(runner_class, name, runner_class.__dict__[name])  # restored afterwards
     model_runner.apply()
 
@@ -383,12 +402,129 @@ def test_the_tokenizer_vllm_loads_gives_its_eos_even_as_a_non_special_added_toke
     from vllm.tokenizers.registry import cached_get_tokenizer
 
     cached_get_tokenizer.cache_clear()
-    model_config = SimpleNamespace(tokenizer=str(tokenizer_dir), tokenizer_mode="auto", runner_type="generate",
-                                   tokenizer_revision=None, trust_remote_code=False, skip_tokenizer_init=False,
-                                   hf_config=None)
+    model_config = SimpleNamespace(
+        tokenizer=str(tokenizer_dir),
+        tokenizer_mode="auto",
+        runner_type="generate",
+        tokenizer_revision=None,
+        trust_remote_code=False,
+        skip_tokenizer_init=False,
+        hf_config=None,
+    )
     pinned = logits_processor.tokenizer_stop_and_special_ids(model_config)
     assert end in pinned and 1 in pinned and 0 in pinned
-    assert logits_processor.tokenizer_stop_and_special_ids(
-        SimpleNamespace(skip_tokenizer_init=True, hf_config=None)) == []
-    assert logits_processor.tokenizer_stop_and_special_ids(
-        SimpleNamespace(**{**vars(model_config), "tokenizer": str(tmp_path / "missing")})) == []
+    assert (
+        logits_processor.tokenizer_stop_and_special_ids(SimpleNamespace(skip_tokenizer_init=True, hf_config=None)) == []
+    )
+    assert (
+        logits_processor.tokenizer_stop_and_special_ids(
+            SimpleNamespace(**{**vars(model_config), "tokenizer": str(tmp_path / "missing")})
+        )
+        == []
+    )
+
+
+# ---- the head is built right after the weights load --------------------------------------------
+
+
+def _vocab_modules(kind: str):
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    model = torch.nn.Module()
+    model.embed_tokens = VocabParallelEmbedding(VOCAB, HIDDEN, disable_tp=True)
+    if kind == "untied":
+        model.lm_head = ParallelLMHead(VOCAB, HIDDEN, disable_tp=True)
+    elif kind == "tied":
+        model.lm_head = model.embed_tokens
+    elif kind == "two heads":
+        model.heads = torch.nn.ModuleList([ParallelLMHead(VOCAB, HIDDEN, disable_tp=True) for _ in range(2)])
+    return model
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [("untied", "lm_head"), ("tied", "embed_tokens"), ("embedding only (Gemma)", "embed_tokens"), ("two heads", None)],
+)
+def test_the_lm_head_is_found_among_vllms_modules(kind, expected):
+    from my_pkg.engine.patches.runner_hooks import _lm_head_of
+
+    model = _vocab_modules(kind)
+    found = _lm_head_of(model)
+    assert found is (getattr(model, expected) if expected else None)
+
+
+def test_the_head_and_its_tables_are_built_right_after_the_weights_load(processor_and_head):
+    """Before vLLM profiles memory: the KV cache is sized with the head's memory already allocated."""
+    from my_pkg.engine.patches import runner_hooks
+
+    processor, _ = processor_and_head
+    controller = processor._my_pkg_flashhead
+    model = _vocab_modules("untied")
+    model.logits_processor = processor
+    torch.manual_seed(0)
+    model.lm_head.weight.data.normal_()
+
+    class Runner:  # stands in for vLLM's runner: load_model sets `model`, get_model returns it
+        def load_model(self):
+            self.model = model
+
+        def get_model(self):
+            return self.model
+
+    runner_hooks.hook_load_model(Runner)
+    runner = Runner()
+    assert controller.head is None and controller.status().reason_code == "not_built"
+    runner.load_model()
+    assert controller.head is not None and controller.head.weight is model.lm_head.weight
+    assert controller.head._tail is not None  # the sampled rows' tables too
+    status = controller.status()
+    assert status.active and status.extra_memory_bytes >= controller.head._tail.nbytes
+    assert controller.counters.steps == 0  # warmed up on zero rows, no step counted
+
+    hidden = torch.randn(2, HIDDEN)
+    dense = hidden @ model.lm_head.weight[:VOCAB].T
+    _arm(controller, 2)
+    logits = processor(model.lm_head, hidden)
+    finite = torch.isfinite(logits)
+    assert controller.counters.rows_flashhead == 2 and not finite.all()
+    torch.testing.assert_close(logits[finite], dense[finite])
+
+    other = SimpleNamespace(weight=model.lm_head.weight.clone(), quant_method=UnquantizedEmbeddingMethod(), tp_size=1)
+    _arm(controller, 2)  # a head built over another weight is never used: dense, with the reason
+    torch.testing.assert_close(processor(other, hidden), hidden @ other.weight[:VOCAB].T)
+    assert controller.status().reason_code == "build_failed"
+
+
+def test_a_load_hook_that_fails_leaves_vllms_load_and_the_lazy_build(processor_and_head, monkeypatch):
+    from my_pkg.engine.patches import runner_hooks
+
+    processor, lm_head = processor_and_head
+    controller = processor._my_pkg_flashhead
+
+    class Runner:
+        def load_model(self):
+            self.model = torch.nn.Module()
+            self.model.logits_processor = processor
+            return "loaded"
+
+        def get_model(self):
+            return self.model
+
+    def broken(model):
+        raise RuntimeError("odd model")
+
+    monkeypatch.setattr(runner_hooks, "_lm_head_of", broken)
+    runner_hooks.hook_load_model(Runner)
+    assert Runner().load_model() == "loaded" and controller.head is None
+    _arm(controller, 1)
+    processor(lm_head, torch.randn(1, HIDDEN))  # the first logits call builds it
+    assert controller.head is not None and controller.counters.rows_flashhead == 1
+
+
+def test_every_runner_vllm_may_use_builds_the_head_after_load(flashhead_hooks):
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for runner_class in (GPUModelRunner, CPUModelRunner, V2Runner):
+        assert getattr(runner_class.__dict__["load_model"], "_my_pkg_wrapped", False), runner_class

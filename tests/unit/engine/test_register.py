@@ -43,7 +43,8 @@ RESOLVE_FLASHHEAD = textwrap.dedent(
     model_cls = ModelRegistry.models["FlashHeadLlamaForCausalLM"].load_model_cls()
     from my_pkg.engine import patches
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    extra = {"model_cls": model_cls.__name__, "hook_errors": {n: patches.hook_error(n) for n in patches.FLASHHEAD_HOOKS},
+    extra = {"model_cls": model_cls.__name__,
+             "hook_errors": {n: patches.hook_error(n) for n in patches.FLASHHEAD_HOOKS},
              "no_controller": patches.no_controller_status().model_dump(include={"reason_code", "reason"}),
              "runner_hooked": getattr(GPUModelRunner.execute_model, "_my_pkg_wrapped", False)}
     """
@@ -56,7 +57,10 @@ def _probe(prelude: str = "", then: str = "extra = {}", **env: str) -> tuple[dic
     code = PROBE.format(prelude=prelude, then=then.strip())
     done = subprocess.run(
         [sys.executable, "-c", code],
-        capture_output=True, text=True, env=environment, timeout=300,
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -68,8 +72,13 @@ def test_register_applies_every_patch_once_and_imports_lazily():
     from my_pkg.contract import WORKER_METHOD_NAMES
 
     assert result["methods"] == sorted(WORKER_METHOD_NAMES)
-    for arch in ("FlashHeadLlamaForCausalLM", "FlashHeadQwen2ForCausalLM", "FlashHeadQwen3ForCausalLM",
-                 "FlashHeadMistralForCausalLM", "FlashHeadGemma3ForCausalLM"):
+    for arch in (
+        "FlashHeadLlamaForCausalLM",
+        "FlashHeadQwen2ForCausalLM",
+        "FlashHeadQwen3ForCausalLM",
+        "FlashHeadMistralForCausalLM",
+        "FlashHeadGemma3ForCausalLM",
+    ):
         assert arch in result["flashhead_archs"]
     # vLLM's LogitsProcessor is replaced only once a FlashHead model is about to be built.
     assert result["logits_processor_after_register"] is None
@@ -110,7 +119,6 @@ def test_disable_leaves_vllm_untouched():
 
 
 def test_moved_internal_warns_once_and_leaves_that_component_alone():
-    prelude = "import vllm.v1.worker.worker_base as wb; del wb.WorkerBase.__init__; wb_cls = wb.WorkerBase; del wb.WorkerBase"
     # The worker patch cannot find WorkerBase: it must warn, not raise, and the other
     # patches still apply. (The probe re-imports WorkerBase afterwards, so restore it.)
     prelude = textwrap.dedent(

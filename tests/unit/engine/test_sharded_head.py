@@ -55,11 +55,15 @@ def _ranks(weight, n_probes, pinned_ids=()):
         rows = torch.zeros(SHARD, HIDDEN)
         rows[: end - start] = weight[start:end]
         shard = SimpleNamespace(org_vocab_start_index=start, org_vocab_end_index=end, num_org_elements=end - start)
-        lm_head = SimpleNamespace(weight=rows, quant_method=UnquantizedEmbeddingMethod(), tp_size=2,
-                                  shard_indices=shard)
+        lm_head = SimpleNamespace(
+            weight=rows, quant_method=UnquantizedEmbeddingMethod(), tp_size=2, shard_indices=shard
+        )
         processor = logits_processor.subclass()(VOCAB)
         processor._my_pkg_flashhead = FlashHeadController(
-            centroids=centroids, assignments=assignments, config={"n_probes": n_probes}, vocab_size=VOCAB,
+            centroids=centroids,
+            assignments=assignments,
+            config={"n_probes": n_probes},
+            vocab_size=VOCAB,
             pinned_ids=pinned_ids,
         )
         gathered = []
@@ -71,9 +75,10 @@ def _ranks(weight, n_probes, pinned_ids=()):
 def _step(ranks, hidden, sampled=None):
     """One decode step on both ranks; the gathered logits `[B, VOCAB]`."""
     num_rows = hidden.shape[0]
-    for processor, lm_head, gathered in ranks:
-        rows = StepRows(np.zeros(num_rows, np.uint8),
-                        np.zeros(num_rows, bool) if sampled is None else np.asarray(sampled))
+    for processor, lm_head, _gathered in ranks:
+        rows = StepRows(
+            np.zeros(num_rows, np.uint8), np.zeros(num_rows, bool) if sampled is None else np.asarray(sampled)
+        )
         processor._my_pkg_flashhead.arm(lambda rows=rows: rows)
         assert processor(lm_head, hidden) is None  # this rank's logits went to the gather
     return torch.cat([gathered.pop() for _, _, gathered in ranks], dim=1)[:, :VOCAB]
