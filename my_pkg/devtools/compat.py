@@ -140,6 +140,7 @@ def _symbols() -> tuple[VllmSymbol, ...]:
             for name in ("model_config", "parallel_config", "speculative_config", "lora_config")
         ),
         s("vllm.config", "VllmConfig.use_v2_model_runner", "attribute", "engine/patches/__init__.py"),
+        s("vllm.config", "get_current_vllm_config_or_none", "function", "engine/patches/__init__.py"),
         s("vllm.config", "ParallelConfig.pipeline_parallel_size", "attribute", lp),
         s("vllm.model_executor.custom_op", "op_registry_oot", "attribute", lp),
         s(logits, "LogitsProcessor", "class", lp),

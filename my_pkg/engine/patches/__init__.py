@@ -38,14 +38,22 @@ _warned: set[str] = set()
 
 
 def on_flashhead_model() -> None:
-    """Install every FlashHead hook; never raises.
+    """Install every FlashHead hook the process building the model needs; never raises.
 
-    A hook that cannot be installed is recorded: the logits processor's failure (another plugin
-    holds the slot) is logged once and answers the status route (`logits_processor_taken`); a
-    runner hook's failure makes the controller unavailable only when vLLM runs that runner
-    (`runner_hook_failed`, see `runner_hook_failure`).
+    In the process that builds the model (a vLLM config is current: the worker) that is all of
+    `FLASHHEAD_HOOKS`; elsewhere (vLLM's model-inspection subprocess) only the logits processor,
+    which is all such a process meets. A hook that cannot be installed is recorded: the logits
+    processor's failure (another plugin holds the slot) is logged once and answers the status route
+    (`logits_processor_taken`); a runner hook's failure makes the controller unavailable only when
+    vLLM runs that runner (`runner_hook_failed`, see `runner_hook_failure`).
     """
-    for name in FLASHHEAD_HOOKS:
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        building = get_current_vllm_config_or_none() is not None
+    except Exception:  # noqa: BLE001 - a moved helper: install them all
+        building = True
+    for name in FLASHHEAD_HOOKS if building else FLASHHEAD_HOOKS[:1]:
         try:
             import_module(f"{__name__}.{name}").apply()
             _hook_errors[name] = None

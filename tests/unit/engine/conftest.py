@@ -7,14 +7,16 @@ import pytest
 
 @pytest.fixture
 def flashhead_hooks():
-    """Every FlashHead hook installed, as when vLLM resolves a FlashHead architecture; the
+    """Every FlashHead hook installed, as when a worker resolves a FlashHead architecture; the
     `LogitsProcessor` replacement is taken back afterwards so that other tests build vLLM's own."""
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.custom_op import op_registry_oot
 
     from my_pkg.engine import patches
 
     before = op_registry_oot.get("LogitsProcessor")
-    patches.on_flashhead_model()
+    with set_current_vllm_config(VllmConfig()):  # as in the worker that builds the model
+        patches.on_flashhead_model()
     yield patches
     if before is None:
         op_registry_oot.pop("LogitsProcessor", None)

@@ -411,14 +411,30 @@ def test_batch_sharded_sampling_is_not_armed(v2, tmp_path, flashhead_hooks):
     assert seen == [None]
 
 
-def _install_hooks(monkeypatch):
-    """`patches.on_flashhead_model()`, with vLLM's `LogitsProcessor` registry taken back afterwards."""
+def _install_hooks(monkeypatch, *, building: bool = True):
+    """`patches.on_flashhead_model()` in a worker building the model (a vLLM config is current) or
+    elsewhere, with vLLM's `LogitsProcessor` registry taken back afterwards."""
+    import contextlib
+
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.custom_op import op_registry_oot
 
     monkeypatch.setitem(op_registry_oot, "LogitsProcessor", None)
     op_registry_oot.pop("LogitsProcessor")
-    patches.on_flashhead_model()
+    with set_current_vllm_config(VllmConfig()) if building else contextlib.nullcontext():
+        patches.on_flashhead_model()
     return op_registry_oot
+
+
+def test_a_process_that_builds_no_model_gets_only_the_logits_processor(v2, monkeypatch):
+    """vLLM's model-inspection subprocess resolves the architecture too, with no config: no runner import."""
+    tried = []
+    monkeypatch.setattr(model_runner, "apply", lambda: tried.append("V1"))
+    monkeypatch.setattr(model_runner_v2, "apply", lambda: tried.append("V2"))
+    registry = _install_hooks(monkeypatch, building=False)
+    assert registry["LogitsProcessor"] is logits_processor.subclass() and tried == []
+    _install_hooks(monkeypatch)
+    assert tried == ["V1", "V2"]
 
 
 @pytest.mark.parametrize("use_v2", [True, False], ids=["V2", "V1"])

@@ -40,7 +40,9 @@ PROBE = textwrap.dedent(
 # What vLLM does right before it builds a FlashHead model: resolve its architecture.
 RESOLVE_FLASHHEAD = textwrap.dedent(
     """
-    model_cls = ModelRegistry.models["FlashHeadLlamaForCausalLM"].load_model_cls()
+    from vllm.config import VllmConfig, set_current_vllm_config
+    with set_current_vllm_config(VllmConfig()):  # as in the worker, which builds the model
+        model_cls = ModelRegistry.models["FlashHeadLlamaForCausalLM"].load_model_cls()
     from my_pkg.engine import patches
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     extra = {"model_cls": model_cls.__name__,
