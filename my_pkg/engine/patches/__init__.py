@@ -72,9 +72,16 @@ def hook_error(name: str) -> str | None:
 
 
 def runner_hook_failure(vllm_config: Any) -> tuple[str, str] | None:
-    """`("runner_hook_failed", message)` when the hook of the model runner vLLM uses is not installed."""
+    """`("runner_hook_failed", message)` when the hook of the model runner vLLM uses is not installed.
+
+    Called while the model is built (a vLLM config is current). vLLM caches a resolved architecture,
+    so when this process resolved it earlier without a config, the hooks are installed now, through
+    the same entry."""
     v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
-    error = hook_error("model_runner_v2" if v2 else "model_runner")
+    name = "model_runner_v2" if v2 else "model_runner"
+    if name not in _hook_errors:
+        on_flashhead_model()
+    error = hook_error(name)
     if error is None:
         return None
     runner = "Model Runner V2" if v2 else "model runner"

@@ -473,3 +473,16 @@ def test_vllms_config_reports_the_runner_it_picks(monkeypatch):
     assert isinstance(VllmConfig.use_v2_model_runner, property)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert VllmConfig().use_v2_model_runner is False
+
+
+def test_a_model_built_after_an_earlier_resolution_without_config_still_gets_its_runner_hooked(
+    v2, tmp_path, monkeypatch
+):
+    """vLLM caches a resolved architecture: if a process resolved it before any config was current,
+    building the model (under its config) installs the runner hooks through the same entry."""
+    monkeypatch.setattr(patches, "_hook_errors", {})
+    _install_hooks(monkeypatch, building=False)
+    assert patches.hook_error("model_runner_v2") is not None  # not tried in that process yet
+    processor = _processor(tmp_path, _lm_head(), use_v2=True)
+    assert processor._my_pkg_flashhead.available and patches.hook_error("model_runner_v2") is None
+    assert getattr(v2.GPUModelRunner.sample, "_my_pkg_wrapped", False)
