@@ -186,6 +186,8 @@ def _symbols() -> tuple[VllmSymbol, ...]:
         s(runner, "GPUModelRunner.load_model", "method", f"{mr}, {hooks}", params=("self",)),
         s(runner, "GPUModelRunner.input_batch", "attribute", mr),
         s(runner, "GPUModelRunner.model", "attribute", hooks),
+        s(runner, "GPUModelRunner.model_config", "attribute", hooks),
+        s("vllm.config", "ModelConfig.enable_sleep_mode", "attribute", hooks),
         s("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "class", mr, subclass_of=f"{runner}:GPUModelRunner"),
         s("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", "method", mr, params=("self",)),
         # patches/runner_hooks.py: the head built right after the weights load, over the model's LM head.

@@ -138,6 +138,11 @@ def prepare_after_load(runner: Any) -> None:
     controller = controller_of_runner(runner)
     if controller is None or controller.head is not None or not controller.available:
         return
+    if getattr(getattr(runner, "model_config", None), "enable_sleep_mode", False):
+        # vLLM loads the weights in its sleep-mode memory pool, whose contents sleep level 2 discards:
+        # the head is built at the first logits call (the profile run), outside that pool.
+        logger.info("my_pkg: sleep mode is on; FlashHead is built at the first logits call")
+        return
     lm_head = _lm_head_of(runner.get_model())
     if lm_head is None:
         logger.info("my_pkg: FlashHead is built at the first logits call (the LM head is not one module)")

@@ -495,6 +495,34 @@ def test_the_head_and_its_tables_are_built_right_after_the_weights_load(processo
     assert controller.status().reason_code == "build_failed"
 
 
+def test_under_sleep_mode_the_head_is_built_at_the_first_logits_call(processor_and_head):
+    """vLLM loads the weights into its sleep-mode pool, which sleep level 2 discards: not the head's place."""
+    from my_pkg.engine.patches import runner_hooks
+
+    processor, lm_head = processor_and_head
+    controller = processor._my_pkg_flashhead
+
+    model = _vocab_modules("untied")  # an LM head the load hook would find
+    model.logits_processor = processor
+    model.lm_head.weight.data.normal_()
+
+    class Runner:
+        model_config = SimpleNamespace(enable_sleep_mode=True)
+
+        def load_model(self):
+            self.model = model
+
+        def get_model(self):
+            return self.model
+
+    runner_hooks.hook_load_model(Runner)
+    Runner().load_model()
+    assert controller.head is None
+    Runner.model_config = SimpleNamespace(enable_sleep_mode=False)
+    Runner().load_model()
+    assert controller.head is not None  # the same load without sleep mode builds it
+
+
 def test_a_load_hook_that_fails_leaves_vllms_load_and_the_lazy_build(processor_and_head, monkeypatch):
     from my_pkg.engine.patches import runner_hooks
 
