@@ -4,13 +4,14 @@ The fixture's head is written as a tied checkpoint in a temporary directory and 
 ``my-pkg flashhead build``, weight-only and with ``--calibration-hidden`` on the fixture's
 calibration states.  For each, prints a markdown table of the
 total-variation distance between the dense sampling distribution and the one a sampled row gets,
-in vLLM's semantics (``my_pkg.flashhead.evaluate.sampling_distribution``), mean over the held-out
-states, with the scored fraction of a sampled row.  Rows:
+in vLLM's semantics (``my_pkg.flashhead.evaluate.sampling_distribution``): mean, 90th percentile
+and maximum over the held-out states, with the scored fraction of a sampled row.  Rows:
 
 * clusters drawn in proportion to the softmax of the centroid scores (the design before; its
   expectation estimated from ``--draws`` draws per state), ``-inf`` elsewhere;
 * the top ``n_probes`` clusters, ``-inf`` elsewhere (what greedy rows get);
-* serving's sampled rows (``FlashHead.step_logits``) at the defaults and at other probe counts / ranks.
+* serving's sampled rows (``FlashHead.step_logits``) at the defaults and at other probe counts / ranks
+  (``--variants P:R,...`` adds more; ``P`` may be ``n`` for the greedy rows' ``n_probes``).
 
 With ``--speed VxH`` it instead times one decode step at batch 1 on a random head of that shape
 (random balanced clusters, builder-default ``n_probes``): the dense logits, a greedy row and a
@@ -89,8 +90,7 @@ def _built(fx: TrainedFixture, root: Path, calibrated: bool) -> tuple[torch.Tens
     return centroids, assignments, int(config["n_probes"])
 
 
-def _median_ms(fn, repeats: int = 20) -> float:
-    fn()
+def _median_ms(fn, repeats: int = 10) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -99,8 +99,8 @@ def _median_ms(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def speed(vocab: int, hidden: int) -> None:
-    """Batch-1 step times on a random head of ``vocab x hidden`` (fp32, CPU)."""
+def speed(vocab: int, hidden: int, rounds: int = 5) -> None:
+    """Batch-1 step times on a random head of ``vocab x hidden`` (fp32, CPU), in paired rounds."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, hidden, generator=generator)
     assignments = random_balanced_assignment(vocab, 16)
@@ -114,13 +114,27 @@ def speed(vocab: int, hidden: int) -> None:
     build = time.perf_counter() - t0
     print(f"{vocab:,} x {hidden:,}: {clusters:,} clusters, n_probes {head.n_probes}, sampled rows "
           f"{head.sampled_n_probes} probes and rank {head.sampled_rank}; tables built in {build:.2f} s")
-    print(f"  dense logits {_median_ms(lambda: torch.nn.functional.linear(h, weight)):.2f} ms, "
-          f"greedy row {_median_ms(lambda: head.step_logits(h, pinned=pins)):.2f} ms, "
-          f"sampled row {_median_ms(lambda: head.step_logits(h, sampled=sampled, pinned=pins)):.2f} ms")
+    steps = {"dense logits": lambda: torch.nn.functional.linear(h, weight),
+             "greedy row": lambda: head.step_logits(h, pinned=pins),
+             "sampled row": lambda: head.step_logits(h, sampled=sampled, pinned=pins)}
+    for fn in steps.values():
+        fn()
+    runs: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            runs[name].append(_median_ms(fn))
+    dense = runs["dense logits"]
+    for name, ms in runs.items():
+        ratios = [d / m for d, m in zip(dense, ms)]
+        print(f"  {name}: {statistics.median(ms):.2f} ms, x{statistics.median(ratios):.2f} of dense "
+              f"({min(ratios):.2f}..{max(ratios):.2f} over {rounds} paired rounds)")
 
 
-def _row(name: str, fraction: float, tv: list[float]) -> str:
-    return f"| {name} | {fraction:.1%} | " + " | ".join(f"{x:.4f}" for x in tv) + " |"
+def _row(name: str, fraction: float, tv: list) -> str:
+    """One table row; ``tv`` holds a mean per setting, or a ``SamplingFidelity`` (mean / p90 / max)."""
+    cells = [f"{x:.4f}" if isinstance(x, float) else f"{x.tv_distance:.4f} / {x.tv_p90:.3f} / {x.tv_max:.3f}"
+             for x in tv]
+    return f"| {name} | {fraction:.1%} | " + " | ".join(cells) + " |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=16, help="draws per state for the drawn-clusters design")
     ap.add_argument("--seed", type=int, default=0, help="seed of the drawn-clusters design")
     ap.add_argument("--speed", default=None, metavar="VxH", help="time a step on a random VxH head instead")
+    ap.add_argument("--variants", default="", metavar="P:R,...",
+                    help="more sampled-row settings: probes (or n: the greedy rows' n_probes) and estimate rank")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -150,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         stages = [(name, *_built(fx, Path(tmp), name == "calibrated")) for name in ("weight-only", "calibrated")]
     print(f"\nbuilt in {time.perf_counter() - t0:.0f} s\n")
-    settings = " | ".join(f"TV T={t:g} top_p={p:g}" for t, p in SAMPLING_SETTINGS)
+    settings = " | ".join(f"TV T={t:g} top_p={p:g} (mean / p90 / max)" for t, p in SAMPLING_SETTINGS)
     for name, centroids, assignments, n_probes in stages:
         head = FlashHead(fx.weight, centroids, assignments, n_probes=n_probes)
         default_probes, default_rank = head.sampled_n_probes, head.sampled_rank
@@ -167,11 +183,14 @@ def main(argv: list[str] | None = None) -> int:
                       + (" **(default)**" if (p, r) == (default_probes, default_rank) else ""))
                      for p, r in ((default_probes, default_rank), (default_probes, 2 * default_rank),
                                   (2 * default_probes, default_rank))]
+        for item in filter(None, args.variants.split(",")):
+            probes_text, _, rank_text = item.partition(":")
+            probes = n_probes if probes_text == "n" else min(int(probes_text), head.num_clusters)
+            variants.append((probes, int(rank_text), f"top {probes} clusters, rank-{rank_text} estimate elsewhere"))
         for probes, rank, label in variants:
             head.sampled_n_probes, head.sampled_rank = probes, rank
             (result,) = serving_fidelity(head, hidden, [n_probes], pinned=pinned)
-            print(_row(label, result.sampling[0].scored_fraction, [s.tv_distance for s in result.sampling]),
-                  flush=True)
+            print(_row(label, result.sampling[0].scored_fraction, result.sampling), flush=True)
         print()
     return 0
 

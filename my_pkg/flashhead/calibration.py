@@ -35,7 +35,7 @@ from statistics import NormalDist
 import torch
 from tqdm.auto import tqdm
 
-from .head import build_members
+from .head import build_members, rows_scored
 
 __all__ = ["ClusterTargets", "CalibrationResult", "ProbeChoice", "StageOneCalibration", "cluster_targets",
            "split_rows", "fit_stage1", "probes_needed", "agreement_curve", "agreement_lower_bound", "scored_fraction",
@@ -302,7 +302,7 @@ def agreement_curve(needed: torch.Tensor, num_clusters: int) -> torch.Tensor:
 def scored_fraction(num_clusters: int, n_probes: int, cluster_size: int, vocab_size: int, num_pinned: int = 0
                     ) -> float:
     """Share of the vocabulary scored per step: centroids, probed members and pinned ids."""
-    return (num_clusters + n_probes * cluster_size + num_pinned) / vocab_size
+    return rows_scored(num_clusters, n_probes, cluster_size, pinned=num_pinned) / vocab_size
 
 
 def _check_target(target_agreement: float, confidence: float) -> None:

@@ -11,7 +11,8 @@ probed clusters, reading them from the original head weight through the cluster 
   argmax is the best candidate, the smallest id on ties);
 * sampled rows: exact logits of the top ``sampled_n_probes`` clusters' members, and every other
   token an *estimated* logit from a rank-``r`` approximation of the head
-  (:mod:`~my_pkg.flashhead.tail_estimate`).  The
+  (:mod:`~my_pkg.flashhead.tail_estimate`), except the ``sampled_rescore`` tokens with the best
+  estimates, which are scored exactly (the tail tokens most likely to matter).  The
   sampler then sees an approximate full distribution: an unprobed cluster keeps about its share
   of the probability mass instead of losing it, and the sampler's own temperature, top-k/top-p
   and min-p apply to the whole row.  Nothing is random, so a seeded request reproduces;
@@ -35,7 +36,8 @@ from .kernels import load_backend, resolve_backend, torch_ref
 from .staging import index_tensor
 from .tail_estimate import TailTables, build_tail_tables, default_tail_rank
 
-__all__ = ["FlashHead", "build_members", "default_n_probes", "default_sampled_n_probes", "rows_scored"]
+__all__ = ["FlashHead", "build_members", "default_n_probes", "default_sampled_n_probes", "default_sampled_rescore",
+           "rows_scored"]
 
 
 def default_n_probes(num_clusters: int) -> int:
@@ -55,9 +57,18 @@ def rows_scored(num_clusters: int, n_probes: int, cluster_size: int, *, pinned: 
 
 
 def default_sampled_n_probes(n_probes: int, num_clusters: int) -> int:
-    """Clusters a sampled row probes when not set: ``ceil(C / 16)`` (its exact candidates then cover
-    1/16 of the vocabulary, as much as stage 1 costs), and never fewer than the greedy rows' ``n_probes``."""
-    return max(1, min(num_clusters, max(n_probes, math.ceil(num_clusters / 16))))
+    """Clusters a sampled row probes when not set: the greedy rows' ``n_probes`` (at most ``C``), so a
+    mixed batch is one pass and a sampled row costs a greedy row plus its tail (the estimate and
+    :func:`default_sampled_rescore` exactly rescored tokens buy more fidelity per row than more clusters)."""
+    return max(1, min(num_clusters, n_probes))
+
+
+def default_sampled_rescore(vocab_size: int) -> int:
+    """Tokens outside a sampled row's candidates scored exactly when not set: ``ceil(V / 32)``, the
+    best-estimated ones (they carry most of the tail's mass; 4,008 for a 128k vocabulary, as many rows as
+    the default candidates).  On the trained fixture this met TV <= 0.01 at T=0.7/top_p=0.9 and <= 0.02
+    at T=1 with either stage 1, where V / 64 missed T=1 (docs/flashhead.md, "Sampling fidelity")."""
+    return math.ceil(vocab_size / 32)
 
 
 def build_members(assignments: torch.Tensor, num_clusters: int | None = None, *,
@@ -152,6 +163,7 @@ class FlashHead:
         self._sampled_n_probes: int | None = None
         self.sampled_n_probes = sampled_n_probes
         self._tail: TailTables | None = None
+        self._sampled_rescore = default_sampled_rescore(v)
         self._sampled_rank = default_tail_rank(self.hidden_size)
         if sampled_rank is not None:
             self.sampled_rank = sampled_rank
@@ -193,6 +205,18 @@ class FlashHead:
         if value != self._sampled_rank:
             self._tail = None
         self._sampled_rank = value
+
+    @property
+    def sampled_rescore(self) -> int:
+        """Tokens outside a sampled row's candidates scored exactly: those with the best estimated logits
+        (default :func:`default_sampled_rescore`; 0: estimates only)."""
+        return self._sampled_rescore
+
+    @sampled_rescore.setter
+    def sampled_rescore(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= self.vocab_size:
+            raise ValueError(f"sampled_rescore must be an int in [0, {self.vocab_size}], got {value!r}")
+        self._sampled_rescore = value
 
     def _tail_tables(self) -> TailTables:
         if self._tail is None:
@@ -247,7 +271,8 @@ class FlashHead:
                 the top ``n_probes`` clusters and ``-inf`` elsewhere.  Sampled rows get the exact
                 logits of the members of the top ``sampled_n_probes`` clusters, and every other
                 token the estimated logit of the rank-``sampled_rank`` approximation of the head
-                (:mod:`~my_pkg.flashhead.tail_estimate`; ``-inf`` at rank 0).
+                (:mod:`~my_pkg.flashhead.tail_estimate`; ``-inf`` at rank 0), but for the
+                ``sampled_rescore`` best-estimated ones, scored exactly.
             pinned: int64 token ids on the head's device, scored exactly on every row.
             postprocess: the model's logit scale / soft-cap, applied to every finite value
                 (candidates, estimates, pinned), never to ``-inf``.
@@ -260,14 +285,18 @@ class FlashHead:
         post = postprocess if postprocess is not None else _identity
         scores = torch_ref.stage1_scores(hidden, self.centroids)
         mask = _host_mask(sampled, num_rows)
-        if mask is None or not mask.any() or mask.all():
-            logits = self._rows_logits(hidden, scores, mask is not None and bool(mask.any()), post)
+        if mask is not None and not mask.any():
+            mask = None
+        if mask is None or mask.all() or self.sampled_n_probes == self._n_probes:
+            # One pass: every row probes the same number of clusters (by default sampled rows probe
+            # as many as greedy rows), only the logits outside the candidates differ.
+            logits = self._rows_logits(hidden, scores, mask, post)
         else:
             logits = torch.empty((num_rows, self.vocab_size), dtype=self.weight.dtype, device=hidden.device)
             for rows_sampled in (False, True):
                 index = index_tensor(np.flatnonzero(mask == rows_sampled), hidden.device)
                 part = self._rows_logits(hidden.index_select(0, index), scores.index_select(0, index),
-                                         rows_sampled, post)
+                                         np.ones(index.numel(), bool) if rows_sampled else None, post)
                 logits.index_copy_(0, index, part)
         if pinned is not None and pinned.numel():
             pinned_weight = self.weight.index_select(0, pinned)
@@ -275,19 +304,39 @@ class FlashHead:
                 logits.dtype)
         return logits
 
-    def _rows_logits(self, hidden: torch.Tensor, scores: torch.Tensor, sampled: bool,
+    def _rows_logits(self, hidden: torch.Tensor, scores: torch.Tensor, sampled: np.ndarray | None,
                      post: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Step logits of rows that are all greedy or all sampled (before pinned ids)."""
-        probes = torch_ref.select_probes(scores, self.sampled_n_probes if sampled else self._n_probes)
+        """Step logits before the pinned ids; ``sampled`` marks the sampled rows (None: none).  Probes
+        ``sampled_n_probes`` clusters when every row samples, else ``n_probes``; the two are equal, or
+        the caller splits the batch."""
+        all_sampled = sampled is not None and bool(sampled.all())
+        probes = torch_ref.select_probes(scores, self.sampled_n_probes if all_sampled else self._n_probes)
         ids, exact = self._kernels().candidate_logits(hidden, self.weight, self.members, probes,
                                                       token_cluster=self._token_cluster)
         exact = post(exact)
-        if sampled and self._sampled_rank:
-            out = post(self._tail_tables().estimates(hidden)).to(exact.dtype)
+        if all_sampled and self._sampled_rank:
+            out = self._estimates(hidden, ids, post, exact.dtype)
         else:
             out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=exact.dtype,
                              device=hidden.device)
+            if sampled is not None and self._sampled_rank:
+                index = index_tensor(np.flatnonzero(sampled), hidden.device)
+                out.index_copy_(0, index, self._estimates(hidden.index_select(0, index), ids.index_select(0, index),
+                                                          post, exact.dtype))
         return out.scatter_(1, ids, exact)
+
+    def _estimates(self, hidden: torch.Tensor, ids: torch.Tensor, post: Callable[[torch.Tensor], torch.Tensor],
+                   dtype: torch.dtype) -> torch.Tensor:
+        """``[B, V]`` estimated logits of sampled rows; the ``sampled_rescore`` best-estimated tokens outside
+        the candidates ``ids`` are scored exactly (the tail tokens most likely to carry mass)."""
+        raw = self._tail_tables().estimates(hidden)
+        k = min(self._sampled_rescore, self.vocab_size - ids.shape[1])
+        # Chosen before ``post``: a soft-cap can tie large estimates, the raw ones rank them.
+        best = torch.topk(raw.scatter(1, ids, float("-inf")), k, dim=1, sorted=False).indices if k > 0 else None
+        out = post(raw).to(dtype)
+        if best is not None:
+            out.scatter_(1, best, post(torch_ref.token_logits(hidden, self.weight, best)).to(dtype))
+        return out
 
     def scored_rows_per_step(self, *, sampled: bool, pinned: int = 0) -> int:
         """Head rows scored per row of :meth:`step_logits`: centroids + candidates + ``pinned`` ids;
@@ -295,7 +344,8 @@ class FlashHead:
         (:func:`rows_scored`)."""
         if not sampled:
             return rows_scored(self.num_clusters, self._n_probes, self.cluster_size, pinned=pinned)
-        return rows_scored(self.num_clusters, self.sampled_n_probes, self.cluster_size, pinned=pinned,
+        return rows_scored(self.num_clusters, self.sampled_n_probes, self.cluster_size,
+                           pinned=pinned + (self._sampled_rescore if self._sampled_rank else 0),
                            rank=self._sampled_rank, hidden_size=self.hidden_size, vocab_size=self.vocab_size)
 
     def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,9 @@ class FlashHeadSettings:
 def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashHeadSettings:
     """Settings at start-up: environment overrides config.json, which overrides defaults."""
     configured_probes = config.get("n_probes")
-    fallback_probes = max(1, (num_clusters or 16) // 16)
+    from .head import default_n_probes  # the builder's default: one definition
+
+    fallback_probes = default_n_probes(num_clusters) if num_clusters else 1
     n_probes = env.MY_PKG_FLASHHEAD_N_PROBES
     if n_probes is None:
         n_probes = int(configured_probes) if isinstance(configured_probes, int) and configured_probes > 0 else fallback_probes

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-__all__ = ["stage1_scores", "select_probes", "candidate_ids", "candidate_logits"]
+__all__ = ["stage1_scores", "select_probes", "candidate_ids", "candidate_logits", "token_logits"]
 
 _SPARSE_OK: dict[torch.dtype, bool] = {}
 
@@ -171,3 +171,13 @@ def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.
             return ids, _logits_grouped(hidden.contiguous(), weight, members, probes, token_cluster)
         return ids, _logits_sparse(hidden.contiguous(), weight, ids)
     return ids, _logits_blocked(hidden, weight, ids)
+
+
+def token_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` exact logits ``weight[ids[b, j]] . hidden[b]`` of any token ids (not a cluster's)."""
+    hidden = hidden.to(weight.dtype)
+    if hidden.device.type != "cpu":
+        return _logits_gather(hidden, weight, ids)
+    if ids.shape[1] <= weight.shape[0] and _sparse_supported(weight.dtype):
+        return _logits_sparse(hidden.contiguous(), weight, ids)
+    return _logits_blocked(hidden, weight, ids)

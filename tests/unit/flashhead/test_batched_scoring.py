@@ -92,3 +92,22 @@ def test_dtypes_without_the_sparse_kernel_keep_the_blocked_path():
     ids, logits = head.candidate_logits(hidden, head.select_probes(hidden))
     want = torch.stack([(head.weight[ids[r]].float() @ hidden[r].float()) for r in range(6)])
     torch.testing.assert_close(logits.float(), want, rtol=1.6e-2, atol=1e-2)
+
+
+def test_a_mixed_batch_in_one_pass_equals_its_greedy_and_sampled_parts():
+    head = _head(n_probes=4, sampled_n_probes=4)  # equal probe counts: one pass over the whole batch
+    hidden = _hidden(12, seed=5)
+    mask = np.arange(12) % 4 == 1
+    pinned = torch.tensor([3, VOCAB - 2])
+    got = head.step_logits(hidden, sampled=mask, pinned=pinned)
+    greedy = head.step_logits(hidden[~mask], pinned=pinned)
+    sampled = head.step_logits(hidden[mask], sampled=np.ones(int(mask.sum()), bool), pinned=pinned)
+    # (Pinned logits come from a matmul over the batch: rounding may differ with the batch size.)
+    assert torch.equal(torch.isfinite(got[~mask]), torch.isfinite(greedy))
+    torch.testing.assert_close(got[~mask], greedy, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(got[mask]).all()
+    torch.testing.assert_close(got[mask], sampled, rtol=1e-6, atol=1e-6)
+    head.sampled_n_probes = 6  # unequal: the batch is split, the parts are the same calls
+    split = head.step_logits(hidden, sampled=mask, pinned=pinned)
+    assert torch.equal(split[~mask], got[~mask])
+    assert int(torch.isfinite(split[mask][:, :VOCAB]).sum()) == int(mask.sum()) * VOCAB

@@ -153,6 +153,9 @@ def test_eval_json_reports_serving_fidelity_at_the_configured_probes(built_llama
     assert main(["flashhead", "eval", str(path), "--hidden", str(f), "--samples", "500", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == str(path) and report["hidden_states"] == 120 and report["dtype"] == "float32"
+    # How stage 1 was built (the default build self-calibrates): config.json's record, as written.
+    assert report["calibration"] == read_config(path)["flash_head_calibration"]
+    assert report["calibration"]["source"] == "self" and report["calibration"]["n_probes"] == 2
     (result,) = report["results"]
     assert result["n_probes"] == 2  # config.json's, as serving uses
     config = read_config(path)
@@ -161,7 +164,7 @@ def test_eval_json_reports_serving_fidelity_at_the_configured_probes(built_llama
     assert result["scored_fraction"] == pytest.approx((6 + 2 * 16 + len(pinned)) / VOCAB)
     assert result["stop_token_recall"] == 1.0  # EOS is pinned: FlashHead stops where dense stops
     assert [(s["temperature"], s["top_p"]) for s in result["sampling"]] == [(0.7, 0.9), (1.0, 1.0), (1.0, 0.95)]
-    assert set(result["sampling"][0]) == {"temperature", "top_p", "tv_distance", "scored_fraction"}
+    assert set(result["sampling"][0]) == {"temperature", "top_p", "tv_distance", "tv_p90", "tv_max", "scored_fraction"}
 
     # The same numbers as the library computes on the served head, with the model's pinned ids.
     centroids, assignments = load_assets(path, config)
@@ -191,6 +194,7 @@ def test_eval_json_with_every_cluster_probed_is_exact_and_text_mode_prints_fidel
     assert main(["flashhead", "eval", str(path), "--hidden", str(f), "--probes", "1,6"]) == 0
     out = capsys.readouterr().out
     assert "serving fidelity" in out and "TV T=0.7 top_p=0.9" in out
+    assert "stage 1: calibrated on" in out and "the model's own samples (self-calibration)" in out
 
 
 def test_eval_uses_the_servers_sampled_row_settings(built_llama, tmp_path, capsys, monkeypatch):

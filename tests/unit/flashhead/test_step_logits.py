@@ -58,13 +58,14 @@ def test_sampled_rows_probe_more_clusters_and_estimate_the_others_from_a_low_ran
     head = _head()
     assert head.sampled_n_probes == default_sampled_n_probes(head.n_probes, head.num_clusters) == 3
     head.n_probes = 1
-    assert head.sampled_n_probes == 2 == math.ceil(21 / 16)  # candidates cover 1/16 of the vocabulary
+    assert head.sampled_n_probes == 1  # follows n_probes
+    head.sampled_n_probes, head.sampled_rescore = 2, 0  # estimates only, outside two clusters
     hidden = _hidden(3)
     logits = head.step_logits(hidden, sampled=torch.ones(3, dtype=torch.bool))
     dense = head.dense_logits(hidden)
     cluster = _token_cluster(head)
     tables = build_tail_tables(head.weight, VOCAB, head.sampled_rank)  # seeded: the head's own tables
-    torch.testing.assert_close(tables.basis.T @ tables.basis, torch.eye(3))
+    torch.testing.assert_close(tables.basis.T @ tables.basis, torch.eye(head.sampled_rank))
     estimates = (hidden @ tables.basis) @ (head.weight[:VOCAB] @ tables.basis).T  # h B B.T w_v
     assert torch.isfinite(logits).all()
     for row, probed in enumerate(_top_clusters(head, hidden, head.sampled_n_probes)):
@@ -163,10 +164,11 @@ def test_sampled_n_probes_setting():
     assert head.sampled_n_probes == 5
     head.sampled_n_probes = None  # follows n_probes again
     head.n_probes = 15
-    assert head.sampled_n_probes == default_sampled_n_probes(15, 21) == 15  # never fewer than greedy rows
-    assert default_sampled_n_probes(30, 21) == 21 and default_sampled_n_probes(1, 800) == 50
-    assert head.sampled_rank == default_tail_rank(HIDDEN) == 3  # ceil(37 / 16)
-    assert head.scored_rows_per_step(sampled=True, pinned=2) == 21 + 15 * 16 + 2 + math.ceil(3 * (37 + VOCAB) / 37)
+    assert head.sampled_n_probes == default_sampled_n_probes(15, 21) == 15  # as many as greedy rows
+    assert default_sampled_n_probes(30, 21) == 21 and default_sampled_n_probes(1, 800) == 1
+    assert head.sampled_rank == default_tail_rank(HIDDEN) == 5  # ceil(37 / 8)
+    assert default_tail_rank(2048) == 64 and default_tail_rank(256) == 32
+    assert head.scored_rows_per_step(sampled=True, pinned=2) == 21 + 15 * 16 + 2 + 11 + math.ceil(5 * (37 + VOCAB) / 37)
     assert head.scored_rows_per_step(sampled=False) == 21 + 15 * 16
     for bad in (0, 22, True, 2.0):
         with pytest.raises(ValueError, match="sampled_n_probes"):
@@ -196,3 +198,26 @@ def test_row_indices_reach_the_device_as_int64_without_changing():
     rows = np.array([3, 0, 7], dtype=np.int32)
     staged = index_tensor(rows, torch.device("cpu"))
     assert staged.dtype == torch.int64 and staged.tolist() == [3, 0, 7]
+
+
+def test_the_best_estimated_tail_tokens_are_rescored_exactly():
+    head = _head()
+    assert head.sampled_rescore == math.ceil(VOCAB / 32) == 11
+    head.sampled_rescore = 20
+    hidden = _hidden(4)
+    logits = head.step_logits(hidden, sampled=np.ones(4, bool))
+    dense = head.dense_logits(hidden)
+    tables = build_tail_tables(head.weight, VOCAB, head.sampled_rank)
+    estimates = (hidden @ tables.basis) @ (head.weight[:VOCAB] @ tables.basis).T
+    cluster = _token_cluster(head)
+    for row, probed in enumerate(_top_clusters(head, hidden, head.sampled_n_probes)):
+        tail = torch.tensor([int(c) not in probed for c in cluster])
+        best = torch.topk(torch.where(tail, estimates[row], float("-inf")), 20).indices
+        rescored = torch.zeros(VOCAB, dtype=torch.bool)
+        rescored[best] = True
+        torch.testing.assert_close(logits[row][~tail | rescored], dense[row][~tail | rescored])
+        torch.testing.assert_close(logits[row][tail & ~rescored], estimates[row][tail & ~rescored], rtol=1e-3, atol=1e-3)
+    assert head.scored_rows_per_step(sampled=True) == head.scored_rows_per_step(sampled=False) + 20 + math.ceil(
+        head.sampled_rank * (HIDDEN + VOCAB) / HIDDEN)
+    with pytest.raises(ValueError):
+        head.sampled_rescore = -1
