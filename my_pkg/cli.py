@@ -38,6 +38,20 @@ def _positive(text: str) -> int:
 DEFAULT_EVAL_PROBES = (8, 16, 32, 64, 128, 256, 512)
 
 
+def _nonnegative(text: str) -> int:
+    v = _parsed(text, int, "an integer")
+    if v < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return v
+
+
+def _margin(text: str) -> float:
+    v = _parsed(text, float, "a number")
+    if v < 1.0:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return v
+
+
 def _agreement(text: str) -> float:
     v = _parsed(text, float, "a number")
     if not 0.0 < v <= 1.0:
@@ -74,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
                              help="fit the stage-1 vectors to hidden states of the model run on this text")
     calibration.add_argument("--calibration-hidden", type=Path, default=None, metavar="FILE",
                              help="fit the stage-1 vectors to these hidden states (safetensors, key hidden_states)")
+    calibration.add_argument("--no-calibration", action="store_true",
+                             help="weight-only stage 1 (default without --calibration*: self-calibrate on the "
+                                  "model's own samples)")
+    b.add_argument("--self-calibration-states", type=_positive, default=8192,
+                   help="self-calibration: hidden states of the model's own samples to collect")
+    b.add_argument("--self-calibration-seconds", type=_positive, default=600,
+                   help="self-calibration: time budget of the sampling (states collected so far are used)")
+    b.add_argument("--validation-states", type=_nonnegative, default=4096,
+                   help="with --calibration*: also validate n_probes on this many states of the model's own samples "
+                        "(0: only on the held-out calibration states)")
+    b.add_argument("--probe-margin", type=_margin, default=2.0,
+                   help="n_probes: the held-out estimate must show at most 1/margin of the misses the target allows")
     b.add_argument("--calibration-max-tokens", type=_positive, default=16384,
                    help="tokens of --calibration text run through the model")
     b.add_argument("--target-agreement", type=_agreement, default=0.995,
@@ -139,8 +165,10 @@ def _calibration_states(args: argparse.Namespace, hidden_size: int, device: str)
         except Exception as e:  # safetensors reports a malformed file with its own exception types
             raise CliError(f"cannot read calibration hidden states {args.calibration_hidden}: {e}") from None
         source = "hidden_states"
-    else:
+    elif args.no_calibration:
         return None
+    else:
+        return _self_calibration_states(args, device)
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
         raise CliError(f"calibration hidden states must be [N, {hidden_size}] (the head's hidden size), "
                        f"got {tuple(hidden.shape)}")
@@ -149,6 +177,53 @@ def _calibration_states(args: argparse.Namespace, hidden_size: int, device: str)
     if not bool(torch.isfinite(hidden).all()):
         raise CliError("calibration hidden states contain non-finite values")
     return hidden.float(), source
+
+
+def _self_calibration_states(args: argparse.Namespace, device: str):
+    """``(hidden, "self", record)`` from the model's own samples, or ``None`` (weight-only, with a warning)
+    when the checkpoint cannot be run (no ``transformers``, a head-only file, an unknown architecture)."""
+    from .flashhead.calibration import SELF_CALIBRATION_PROMPTS, generate_calibration_states, load_causal_lm
+
+    try:
+        model, tokenizer = load_causal_lm(args.model_dir, device)
+    except RuntimeError as e:
+        args.weight_only_reason = f"cannot run the model: {e}"
+        print(f"warning: no self-calibration, {args.weight_only_reason}; building weight-only "
+              "(pass --calibration TEXT_FILE, or --no-calibration to skip this attempt)")
+        return None
+    print(f"self-calibration: sampling the model from {len(SELF_CALIBRATION_PROMPTS)} prompts"
+          f" (at most {args.self_calibration_states:,} states, {args.self_calibration_seconds} s) on {device}")
+    sample = generate_calibration_states(model, tokenizer, max_states=args.self_calibration_states,
+                                         time_budget_s=float(args.self_calibration_seconds), seed=args.seed,
+                                         progress=not args.no_progress)
+    del model
+    print(f"sampled {sample.hidden.shape[0]:,} states in {sample.seconds:.1f} s"
+          + (" (time budget reached)" if sample.stopped_by_time else ""))
+    if sample.hidden.shape[0] < _MIN_CALIBRATION_STATES:
+        args.weight_only_reason = f"self-calibration sampled only {sample.hidden.shape[0]} states"
+        print(f"warning: {args.weight_only_reason}; building weight-only")
+        return None
+    args.self_calibration_record = sample.record()
+    return sample.hidden.float(), "self"
+
+
+def _validation_states(args: argparse.Namespace, device: str) -> dict:
+    """States of the model's own samples to validate a text calibration's n_probes on (empty when it cannot run)."""
+    from .flashhead.calibration import generate_calibration_states, load_causal_lm
+
+    if args.validation_states == 0:
+        return {}
+    try:
+        model, tokenizer = load_causal_lm(args.model_dir, device)
+    except RuntimeError as e:
+        print(f"note: n_probes is validated on the held-out calibration states only ({e})")
+        return {}
+    sample = generate_calibration_states(model, tokenizer, max_states=args.validation_states, seed=args.seed + 1,
+                                         time_budget_s=float(args.self_calibration_seconds),
+                                         progress=not args.no_progress)
+    if sample.hidden.shape[0] < _MIN_CALIBRATION_STATES:
+        return {}
+    return {"model samples": sample.hidden}
 
 
 def _build(args) -> int:
@@ -177,7 +252,8 @@ def _build(args) -> int:
     res = balanced_kmeans(weight, args.cluster_size, iterations=args.iterations, seed=args.seed,
                           device=device, progress=not args.no_progress)
     print(f"clustered in {time.perf_counter() - t0:.1f} s")
-    centroids, record = res.centroids, None
+    centroids = res.centroids
+    record = {"source": "none", "reason": getattr(args, "weight_only_reason", "--no-calibration")}
     if calibration is not None:
         centroids, n_probes, record = _calibrate(args, weight, res, calibration,
                                                  stop_and_special_token_ids(args.model_dir, config), device)
@@ -196,10 +272,12 @@ def _calibrate(args: argparse.Namespace, weight, clustering, calibration: tuple,
     from .flashhead.calibration import calibrate_stage1
 
     hidden, source = calibration
+    validation = _validation_states(args, device) if source != "self" else {}
     t0 = time.perf_counter()
     cal = calibrate_stage1(weight, clustering.assignments, clustering.centroids, hidden, pinned_ids=pinned,
                            target_agreement=args.target_agreement, confidence=args.target_confidence,
-                           n_probes=args.n_probes, seed=args.seed, device=device, progress=not args.no_progress)
+                           n_probes=args.n_probes, seed=args.seed, margin=args.probe_margin, validation=validation,
+                           device=device, progress=not args.no_progress)
     held, choice, target = int(cal.fit.heldout_rows.numel()), cal.choice, args.target_agreement
     print(f"calibrated stage 1 on {hidden.shape[0]:,} hidden states ({source}) in {time.perf_counter() - t0:.1f} s; "
           f"{held:,} held out")
@@ -207,6 +285,9 @@ def _calibrate(args: argparse.Namespace, weight, clustering, calibration: tuple,
           f"scored, {cal.num_pinned} pinned ids): calibrated {choice.agreement:.4f} (>= {choice.agreement_lower:.4f} "
           f"with {args.target_confidence:.0%} confidence), weight-only {cal.weight_only_same_probes.agreement:.4f} "
           f"(it needs n_probes={cal.weight_only.n_probes})")
+    for name, (rows, alone, at) in cal.validation.items():
+        print(f"validation on {rows:,} states of {name}: agreement {at.agreement:.4f} at n_probes={cal.n_probes} "
+              f"(alone it needs n_probes={alone.n_probes})")
     if args.n_probes is not None:
         if not choice.certified:
             print(f"warning: --n-probes {args.n_probes} does not show agreement {target} on the held-out states")
@@ -217,11 +298,27 @@ def _calibrate(args: argparse.Namespace, weight, clustering, calibration: tuple,
         print(f"warning: {held} held-out states cannot show agreement {target} with {args.target_confidence:.0%} "
               f"confidence below all clusters; n_probes={cal.n_probes} is the smallest whose held-out estimate "
               "reaches it (give more calibration text)")
-    return cal.centroids, cal.n_probes, {**cal.record(), "source": source}
+    record = {**cal.record(), "source": source}
+    if source == "self":
+        record["self_calibration"] = args.self_calibration_record
+    return cal.centroids, cal.n_probes, record
 
 
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _calibration_summary(record) -> str:
+    """One line on how the assets' stage 1 was built, from config.json's ``flash_head_calibration``."""
+    if not isinstance(record, dict):
+        return "weight-only (no calibration record: built before calibration was recorded)"
+    source = record.get("source")
+    if source == "none":
+        return f"weight-only ({record.get('reason', 'no reason recorded')})"
+    what = {"self": "the model's own samples (self-calibration)", "text": "a calibration text",
+            "hidden_states": "calibration hidden states"}.get(source, str(source))
+    return (f"calibrated on {record.get('rows', '?'):,} states of {what}; n_probes {record.get('n_probes')} chosen "
+            f"for top-1 agreement {record.get('target_agreement')}")
 
 
 def _eval(args) -> int:
@@ -229,7 +326,8 @@ def _eval(args) -> int:
 
     from .flashhead.settings import default_settings
     from .flashhead import FlashHead
-    from .flashhead.assets import load_assets, load_lm_head, read_config, stop_and_special_token_ids
+    from .flashhead.assets import (CALIBRATION_KEY, load_assets, load_lm_head, read_config,
+                                   stop_and_special_token_ids)
     from .flashhead.evaluate import (capture_hidden_states, dense_agreement, evaluate, format_fidelity_table,
                                      format_table, load_hidden_states, logit_postprocess, serving_fidelity,
                                      synthetic_hidden_states)
@@ -271,9 +369,11 @@ def _eval(args) -> int:
     fidelity = serving_fidelity(head, hidden, probes, pinned=pinned, postprocess=logit_postprocess(config))
     if args.json:
         print(json.dumps({"model": str(args.model_dir), "hidden_states": int(hidden.shape[0]),
-                          "dtype": _dtype_name(weight.dtype), "results": [r.as_dict() for r in fidelity]}, indent=2))
+                          "dtype": _dtype_name(weight.dtype), "calibration": config.get(CALIBRATION_KEY),
+                          "results": [r.as_dict() for r in fidelity]}, indent=2))
         return 0
     rows, dense_ms = evaluate(head, hidden, probes)
+    print(f"stage 1: {_calibration_summary(config.get(CALIBRATION_KEY))}")
     print(f"{source}; {hidden.shape[0]} samples; vocab {v:,}, {head.num_clusters:,} clusters of "
           f"{head.cluster_size}, backend {head.backend}, device {device}")
     print(f"reference: dense head in float32 (hidden states {_dtype_name(hidden.dtype)}); FlashHead "

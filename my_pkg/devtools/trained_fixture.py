@@ -28,6 +28,7 @@ they may be missing; :func:`load_trained_fixture` needs only torch and safetenso
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import importlib
 import inspect
@@ -36,6 +37,7 @@ import math
 import pkgutil
 import platform
 import sys
+import sysconfig
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -45,7 +47,8 @@ from typing import Any, Iterator
 import torch
 
 __all__ = ["FixtureSpec", "TrainedFixture", "Corpus", "collect_corpus", "collect_documents", "split_documents",
-           "build_trained_fixture", "load_trained_fixture", "DEFAULT_FIXTURE_DIR"]
+           "collect_code_documents", "split_code_documents", "build_trained_fixture", "capture_fixture",
+           "load_saved_model", "load_trained_fixture", "DEFAULT_FIXTURE_DIR", "STATE_FILES"]
 
 DEFAULT_FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "assets" / "trained_lm"
 
@@ -62,6 +65,13 @@ CORPUS_DESCRIPTION = (
     "Docstrings of the Python standard library (top-level modules and public submodules, their classes, "
     "functions and methods, via inspect.getdoc) and the language reference topics of pydoc_data.topics; "
     "one document per docstring or topic, exact duplicates dropped, split by the SHA-256 of the text."
+)
+
+CODE_CORPUS_DESCRIPTION = (
+    "Source code of the Python standard library's top-level modules (the .py files of the stdlib directory, "
+    "private modules included), docstrings removed, comments kept; one document per top-level statement "
+    "(imports and assignments grouped), split by the SHA-256 of the text. The model never trained on code: "
+    "this is the shifted text for FlashHead's fidelity figures."
 )
 
 
@@ -82,13 +92,21 @@ class FixtureSpec:
     warmup_steps: int = 30
     minutes: float = 18.0
     seed: int = 0
-    calibration_rows: int = 6144
+    calibration_rows: int = 4096
     heldout_rows: int = 4096
+    # Second source (stdlib code): per-mille of its documents in each split (the rest is unused).
+    code_calibration_permille: int = 30
+    code_heldout_permille: int = 30
+    code_rows: int = 4096
+    # States of the model's own samples (the default build's self-calibration, same function and settings).
+    generated_rows: int = 4096
     # Per-mille of documents (by hash) in each split; the rest is training text.
     calibration_permille: int = 50
     heldout_permille: int = 50
     eval_every: int = 50
     eval_sequences: int = 64
+    # Train under bfloat16 autocast (only worth it on CPUs with native bfloat16).
+    bfloat16: bool = False
 
 
 @dataclass
@@ -107,8 +125,9 @@ class TrainedFixture:
     """The committed fixture, loaded as float32 tensors.
 
     ``weight``: ``[V, H]`` LM head (tied with the input embeddings); ``calibration`` / ``heldout``:
-    ``[N, H]`` final hidden states; ``calibration_next`` / ``heldout_next``: ``[N]`` int64 true next
-    token of each state; ``special_ids``: name -> id of the special tokens; ``meta``: ``meta.json``.
+    ``[N, H]`` final hidden states of docstrings; ``code_calibration`` / ``code_heldout``: the same for
+    standard-library code (the second source); ``*_next``: ``[N]`` int64 true next token of each state;
+    ``generated``: states of the model's own samples (what a default build self-calibrates on); ``special_ids``: name -> id of the special tokens; ``meta``: ``meta.json``.
     """
 
     weight: torch.Tensor
@@ -119,6 +138,19 @@ class TrainedFixture:
     eos_id: int
     special_ids: dict[str, int]
     meta: dict[str, Any] = field(repr=False)
+    code_calibration: torch.Tensor = field(default_factory=lambda: torch.empty(0), repr=False)
+    code_heldout: torch.Tensor = field(default_factory=lambda: torch.empty(0), repr=False)
+    code_calibration_next: torch.Tensor = field(default_factory=lambda: torch.empty(0), repr=False)
+    code_heldout_next: torch.Tensor = field(default_factory=lambda: torch.empty(0), repr=False)
+    generated: torch.Tensor = field(default_factory=lambda: torch.empty(0), repr=False)
+
+    def source(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(calibration, held-out)`` states of a source: ``"docstrings"`` or ``"code"``."""
+        if name == "docstrings":
+            return self.calibration, self.heldout
+        if name == "code":
+            return self.code_calibration, self.code_heldout
+        raise ValueError(f"unknown source {name!r}: docstrings or code")
 
 
 # --------------------------------------------------------------------------------------------- corpus
@@ -236,6 +268,88 @@ def collect_corpus(spec: FixtureSpec) -> Corpus:
     documents, imported, skipped = collect_documents()
     splits = split_documents(documents, spec)
     return Corpus(splits["train"], splits["calibration"], splits["heldout"], imported, skipped)
+
+
+def _code_chunks(source: str) -> list[str]:
+    """Top-level statements of a module's source with docstrings removed; consecutive imports/assignments grouped."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    drop: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                drop.update(range(first.lineno - 1, first.end_lineno))
+    chunks: list[str] = []
+    group: list[str] = []
+
+    def text_of(node: ast.stmt) -> str:
+        begin = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        return "\n".join(lines[i] for i in range(begin, node.end_lineno) if i not in drop).strip("\n")
+
+    def flush() -> None:
+        if group:
+            chunks.append("\n".join(group))
+            group.clear()
+
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):  # the class line with its first statements, then one chunk per method
+            flush()
+            header = lines[node.lineno - 1]
+            for member in node.body:
+                text = text_of(member)
+                if not text.strip():
+                    continue
+                if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    flush()
+                    chunks.append(text)
+                else:
+                    group.append(text if group else header + "\n" + text)
+            flush()
+            continue
+        text = text_of(node)
+        if not text.strip():
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign, ast.Expr)):
+            group.append(text)
+            continue
+        flush()
+        chunks.append(text)
+    flush()
+    return chunks
+
+
+def collect_code_documents(min_chars: int = 80, max_chars: int = 6000) -> list[str]:
+    """Standard-library code, one document per top-level statement (see :data:`CODE_CORPUS_DESCRIPTION`).
+
+    Only the ``.py`` files directly in the stdlib directory, sorted by name; documents outside
+    ``[min_chars, max_chars]`` characters and exact duplicates are dropped.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    seen: set[str] = set()
+    documents: list[str] = []
+    for path in sorted(root.glob("*.py")):
+        try:
+            chunks = _code_chunks(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        for chunk in chunks:
+            if min_chars <= len(chunk) <= max_chars and chunk not in seen:
+                seen.add(chunk)
+                documents.append(chunk)
+    return documents
+
+
+def split_code_documents(documents: list[str], spec: FixtureSpec) -> dict[str, list[str]]:
+    """Code documents by split (``calibration`` / ``heldout``; the rest unused), by the hash of their text."""
+    splits: dict[str, list[str]] = {"calibration": [], "heldout": []}
+    for doc in documents:
+        bucket = int.from_bytes(hashlib.sha256(("code:" + doc).encode("utf-8")).digest()[:8], "big") % 1000
+        if bucket < spec.code_heldout_permille:
+            splits["heldout"].append(doc)
+        elif bucket < spec.code_heldout_permille + spec.code_calibration_permille:
+            splits["calibration"].append(doc)
+    return splits
 
 
 # ------------------------------------------------------------------------------------------ tokenizer
@@ -363,8 +477,8 @@ def train(model: Any, train_stream: torch.Tensor, heldout_windows: torch.Tensor,
             group["lr"] = lr
         offsets = torch.randint(0, max_offset, (spec.batch_size,), generator=generator)
         batch = torch.stack([train_stream[o:o + spec.context + 1] for o in offsets.tolist()])
-        # bfloat16 autocast: about a third faster on CPUs with native bfloat16; states are captured in float32.
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        # bfloat16 autocast is about a third faster on CPUs with native bfloat16 and 2.5x slower without it.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.bfloat16):
             loss = _loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -433,21 +547,27 @@ def capture(model: Any, windows: torch.Tensor, rows: int, seed: int,
 # --------------------------------------------------------------------------------------------- output
 
 
-def write_fixture(out: Path, *, weight: torch.Tensor, calibration: tuple[torch.Tensor, torch.Tensor],
-                  heldout: tuple[torch.Tensor, torch.Tensor], tokenizer: Any, meta: dict[str, Any]) -> None:
+STATE_FILES = ("calibration", "heldout", "code_calibration", "code_heldout")
+
+
+def write_fixture(out: Path, *, weight: torch.Tensor, states: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  generated: torch.Tensor, tokenizer: Any, meta: dict[str, Any]) -> None:
     """Write the fixture files to ``out``.
 
-    ``head.safetensors``: ``weight`` float16 ``[V, H]``. ``calibration.safetensors`` and
-    ``heldout.safetensors``: ``hidden_states`` float16 ``[N, H]`` and ``next_token_ids`` int32 ``[N]``.
+    ``head.safetensors``: ``weight`` float16 ``[V, H]``. ``<split>.safetensors`` for each of
+    :data:`STATE_FILES`: ``hidden_states`` float16 ``[N, H]`` and ``next_token_ids`` int32 ``[N]``.
+    ``generated.safetensors``: ``hidden_states`` float16 (the model's own samples; no true next token).
     ``tokenizer.json``: the ``tokenizers`` tokenizer. ``meta.json``: everything else.
     """
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     save_file({"weight": weight.detach().to(torch.float16).contiguous()}, str(out / "head.safetensors"))
-    for name, (states, targets) in (("calibration", calibration), ("heldout", heldout)):
-        save_file({"hidden_states": states.to(torch.float16).contiguous(),
+    for name in STATE_FILES:
+        hidden, targets = states[name]
+        save_file({"hidden_states": hidden.to(torch.float16).contiguous(),
                    "next_token_ids": targets.to(torch.int32).contiguous()}, str(out / f"{name}.safetensors"))
+    save_file({"hidden_states": generated.to(torch.float16).contiguous()}, str(out / "generated.safetensors"))
     tokenizer.save(str(out / "tokenizer.json"), pretty=False)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -457,23 +577,26 @@ def load_trained_fixture(path: str | Path | None = None) -> TrainedFixture:
     from safetensors.torch import load_file
 
     root = Path(path) if path is not None else DEFAULT_FIXTURE_DIR
-    names = ("meta.json", "head.safetensors", "calibration.safetensors", "heldout.safetensors")
+    names = ("meta.json", "head.safetensors", "generated.safetensors", *(f"{n}.safetensors" for n in STATE_FILES))
     missing = [n for n in names if not (root / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{root} is not a trained-LM fixture: missing {', '.join(missing)}")
     meta = json.loads((root / "meta.json").read_text())
-    weight = load_file(str(root / "head.safetensors"))["weight"].float()
-    calibration = load_file(str(root / "calibration.safetensors"))
-    heldout = load_file(str(root / "heldout.safetensors"))
+    files = {n: load_file(str(root / f"{n}.safetensors")) for n in STATE_FILES}
     return TrainedFixture(
-        weight=weight,
-        calibration=calibration["hidden_states"].float(),
-        heldout=heldout["hidden_states"].float(),
-        calibration_next=calibration["next_token_ids"].long(),
-        heldout_next=heldout["next_token_ids"].long(),
+        weight=load_file(str(root / "head.safetensors"))["weight"].float(),
+        calibration=files["calibration"]["hidden_states"].float(),
+        heldout=files["heldout"]["hidden_states"].float(),
+        calibration_next=files["calibration"]["next_token_ids"].long(),
+        heldout_next=files["heldout"]["next_token_ids"].long(),
         eos_id=int(meta["eos_id"]),
         special_ids={k: int(v) for k, v in meta["special_ids"].items()},
         meta=meta,
+        code_calibration=files["code_calibration"]["hidden_states"].float(),
+        code_heldout=files["code_heldout"]["hidden_states"].float(),
+        code_calibration_next=files["code_calibration"]["next_token_ids"].long(),
+        code_heldout_next=files["code_heldout"]["next_token_ids"].long(),
+        generated=load_file(str(root / "generated.safetensors"))["hidden_states"].float(),
     )
 
 
@@ -487,46 +610,10 @@ def save_model(model: Any, tokenizer: Any, path: Path) -> None:
                             ).save_pretrained(path)
 
 
-def build_trained_fixture(out: Path, spec: FixtureSpec, *, steps: int | None = None,
-                          model_dir: Path | None = None, command: str = "", log: Any = print) -> dict[str, Any]:
-    """Collect, tokenize, train, capture and write the fixture to ``out``; returns its ``meta``."""
-    import tokenizers
-    import transformers
-
-    torch.manual_seed(spec.seed)
-    corpus = collect_corpus(spec)
-    log(f"documents: train {len(corpus.train)}, calibration {len(corpus.calibration)}, "
-        f"held-out {len(corpus.heldout)} (modules imported {corpus.modules_imported}, "
-        f"skipped {corpus.modules_skipped})")
-    tokenizer = train_tokenizer(corpus.train, spec.vocab_size)
-    train_stream = token_stream(tokenizer, corpus.train)
-    calibration_windows = _windows(token_stream(tokenizer, corpus.calibration), spec.context)
-    heldout_windows = _windows(token_stream(tokenizer, corpus.heldout), spec.context)
-    log(f"tokens: train {train_stream.numel():,}, calibration {calibration_windows.numel():,}, "
-        f"held-out {heldout_windows.numel():,}")
-
-    model = build_model(spec)
-    log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
-    result = train(model, train_stream, heldout_windows, spec, steps=steps, log=log)
-    heldout_loss = mean_loss(model, heldout_windows)
-    log(f"trained {result.steps} steps in {result.seconds:.0f} s; held-out loss {heldout_loss:.3f} "
-        f"(perplexity {math.exp(heldout_loss):.1f})")
-
-    calibration = capture(model, calibration_windows, spec.calibration_rows, spec.seed + 1)
-    heldout = capture(model, heldout_windows, spec.heldout_rows, spec.seed + 2)
-    special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    meta = {
-        "description": "Small Llama LM trained from scratch on Python standard-library docstrings; its LM head "
-                       "and final hidden states of text it never trained on, for FlashHead quality tests.",
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "eos_id": special_ids["[EOS]"],
-        "bos_id": special_ids["[BOS]"],
-        "pad_id": special_ids["[PAD]"],
-        "unk_id": special_ids["[UNK]"],
-        "special_ids": special_ids,
+def _training_meta(spec: FixtureSpec, model: Any, result: TrainingLog, heldout_loss: float) -> dict[str, Any]:
+    return {
         "model_config": json.loads(model.config.to_json_string(use_diff=False)),
-        "spec": spec.__dict__,
+        "training_spec": spec.__dict__,
         "seed": spec.seed,
         "steps": result.steps,
         "tokens_trained_on": result.tokens,
@@ -536,26 +623,128 @@ def build_trained_fixture(out: Path, spec: FixtureSpec, *, steps: int | None = N
         "final_heldout_loss": round(heldout_loss, 4),
         "final_heldout_perplexity": round(math.exp(heldout_loss), 3),
         "history": result.history,
+    }
+
+
+def build_trained_fixture(out: Path, spec: FixtureSpec, *, steps: int | None = None,
+                          model_dir: Path | None = None, from_model: Path | None = None, command: str = "",
+                          log: Any = print) -> dict[str, Any]:
+    """Collect, tokenize, train (or load ``from_model``), capture and write the fixture to ``out``; returns ``meta``.
+
+    ``model_dir``: also save the trained model there (with ``fixture_training.json``), so that a later run
+    with ``from_model`` re-captures the states (new sources, other row counts) without training again.
+    """
+    torch.manual_seed(spec.seed)
+    corpus = collect_corpus(spec)
+    log(f"documents: train {len(corpus.train)}, calibration {len(corpus.calibration)}, "
+        f"held-out {len(corpus.heldout)} (modules imported {corpus.modules_imported}, "
+        f"skipped {corpus.modules_skipped})")
+    if from_model is not None:
+        model, tokenizer, training = load_saved_model(from_model)
+        log(f"model and tokenizer from {from_model.name}: trained {training['steps']} steps")
+    else:
+        tokenizer = train_tokenizer(corpus.train, spec.vocab_size)
+        train_stream = token_stream(tokenizer, corpus.train)
+        heldout_windows = _windows(token_stream(tokenizer, corpus.heldout), spec.context)
+        log(f"tokens: train {train_stream.numel():,}")
+        model = build_model(spec)
+        log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
+        result = train(model, train_stream, heldout_windows, spec, steps=steps, log=log)
+        heldout_loss = mean_loss(model, heldout_windows)
+        log(f"trained {result.steps} steps in {result.seconds:.0f} s; held-out loss {heldout_loss:.3f} "
+            f"(perplexity {math.exp(heldout_loss):.1f})")
+        training = {**_training_meta(spec, model, result, heldout_loss), "training_command": command}
+        if model_dir is not None:
+            save_model(model, tokenizer, model_dir)
+            (model_dir / "fixture_training.json").write_text(json.dumps(training, indent=2) + "\n")
+    return capture_fixture(out, model, tokenizer, corpus, spec, training, command=command, log=log)
+
+
+def load_saved_model(path: Path) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, tokenizers.Tokenizer, training meta)`` of a model saved by ``--save-model``."""
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
+
+    training_file = path / "fixture_training.json"
+    if not training_file.is_file():
+        raise FileNotFoundError(f"{path} was not saved by this generator: missing fixture_training.json")
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return model, Tokenizer.from_file(str(path / "tokenizer.json")), json.loads(training_file.read_text())
+
+
+def _hf_tokenizer(tokenizer: Any, context: int) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]",
+                                   eos_token="[EOS]", model_max_length=context, padding_side="left")
+
+
+def capture_fixture(out: Path, model: Any, tokenizer: Any, corpus: Corpus, spec: FixtureSpec,
+                    training: dict[str, Any], *, command: str = "", log: Any = print) -> dict[str, Any]:
+    """Capture every state file of the fixture from ``model`` and write it (see :func:`write_fixture`).
+
+    Docstrings (the training source): calibration and held-out documents. Code (a second source the model
+    never trained on): :func:`collect_code_documents`. Generated: the model's own samples, through
+    ``generate_calibration_states`` with the settings a default ``my-pkg flashhead build`` uses.
+    """
+    import tokenizers
+    import transformers
+
+    from my_pkg.flashhead.calibration import generate_calibration_states
+
+    model.eval()
+    code = split_code_documents(collect_code_documents(), spec)
+    streams = {"calibration": token_stream(tokenizer, corpus.calibration),
+               "heldout": token_stream(tokenizer, corpus.heldout),
+               "code_calibration": token_stream(tokenizer, code["calibration"]),
+               "code_heldout": token_stream(tokenizer, code["heldout"])}
+    log("tokens: " + ", ".join(f"{k} {v.numel():,}" for k, v in streams.items()))
+    rows = {"calibration": spec.calibration_rows, "heldout": spec.heldout_rows,
+            "code_calibration": spec.code_rows, "code_heldout": spec.code_rows}
+    captured = {name: capture(model, _windows(stream, spec.context), rows[name], spec.seed + 1 + i)
+                for i, (name, stream) in enumerate(streams.items())}
+    losses = {name: round(mean_loss(model, _windows(stream, spec.context)), 4) for name, stream in streams.items()}
+    log(f"mean next-token loss per split: {losses}")
+    t0 = time.perf_counter()
+    generated = generate_calibration_states(model, _hf_tokenizer(tokenizer, spec.context),
+                                            max_states=spec.generated_rows, seed=spec.seed)
+    log(f"generated {generated.hidden.shape[0]} states in {time.perf_counter() - t0:.1f} s")
+    special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    meta = {
+        "description": "Small Llama LM trained from scratch on Python standard-library docstrings; its LM head "
+                       "and final hidden states of text it never trained on (docstrings, and standard-library "
+                       "code, a second source), and of its own samples, for FlashHead quality tests.",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "eos_id": special_ids["[EOS]"],
+        "bos_id": special_ids["[BOS]"],
+        "pad_id": special_ids["[PAD]"],
+        "unk_id": special_ids["[UNK]"],
+        "special_ids": special_ids,
+        **training,
+        "spec": spec.__dict__,
+        "split_losses": losses,
         "corpus": {
             "description": CORPUS_DESCRIPTION,
             "documents": {"train": len(corpus.train), "calibration": len(corpus.calibration),
                           "heldout": len(corpus.heldout)},
-            "tokens": {"train": train_stream.numel(), "calibration": calibration_windows.numel(),
-                       "heldout": heldout_windows.numel()},
             "modules_imported": corpus.modules_imported,
             "modules_skipped": corpus.modules_skipped,
             "licence": "Python Software Foundation License (text of the Python standard library)",
         },
-        "rows": {"calibration": spec.calibration_rows, "heldout": spec.heldout_rows},
+        "code_corpus": {"description": CODE_CORPUS_DESCRIPTION,
+                        "documents": {"calibration": len(code["calibration"]), "heldout": len(code["heldout"])},
+                        "licence": "Python Software Foundation License (source of the Python standard library)"},
+        "tokens": {name: stream.numel() for name, stream in streams.items()},
+        "rows": {**rows, "generated": int(generated.hidden.shape[0])},
+        "generated": generated.record(),
         "python_version": platform.python_version(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "tokenizers": tokenizers.__version__},
         "command": command,
     }
-    write_fixture(out, weight=model.get_output_embeddings().weight, calibration=calibration, heldout=heldout,
-                  tokenizer=tokenizer, meta=meta)
-    if model_dir is not None:
-        save_model(model, tokenizer, model_dir)
+    write_fixture(out, weight=model.get_output_embeddings().weight, states=captured,
+                  generated=generated.hidden, tokenizer=tokenizer, meta=meta)
     return meta
 
 
@@ -566,9 +755,9 @@ def _recorded_args(argv: list[str]) -> list[str]:
     for arg in argv:
         if skip_next:
             skip_next = False
-        elif arg == "--save-model":
+        elif arg in ("--save-model", "--from-model"):
             skip_next = True
-        elif not arg.startswith("--save-model="):
+        elif not arg.startswith(("--save-model=", "--from-model=")):
             kept.append(arg)
     return kept
 
@@ -580,8 +769,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=FixtureSpec.minutes, help="training time box")
     parser.add_argument("--steps", type=int, default=None, help="train exactly this many steps (ignores --minutes)")
     parser.add_argument("--seed", type=int, default=FixtureSpec.seed)
+    parser.add_argument("--bfloat16", action="store_true", help="train under bfloat16 autocast")
     parser.add_argument("--save-model", type=Path, default=None, metavar="DIR",
                         help="also save the full Hugging Face model and tokenizer here")
+    parser.add_argument("--from-model", type=Path, default=None, metavar="DIR",
+                        help="skip training: capture the states from a model saved earlier with --save-model")
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error("--minutes must be positive")
@@ -590,8 +782,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     recorded = _recorded_args(sys.argv[1:] if argv is None else argv)
     command = " ".join(["python -m my_pkg.devtools.trained_fixture", *recorded])
-    spec = FixtureSpec(minutes=args.minutes, seed=args.seed)
-    build_trained_fixture(args.out, spec, steps=args.steps, model_dir=args.save_model, command=command,
+    spec = FixtureSpec(minutes=args.minutes, seed=args.seed, bfloat16=args.bfloat16)
+    build_trained_fixture(args.out, spec, steps=args.steps, model_dir=args.save_model, from_model=args.from_model,
+                          command=command,
                           log=lambda line: print(line, flush=True))
     return 0
 

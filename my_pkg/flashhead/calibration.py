@@ -29,6 +29,7 @@ are computed in row chunks sized by ``chunk_bytes``: ``N x V`` is never material
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
@@ -42,6 +43,9 @@ __all__ = ["ClusterTargets", "CalibrationResult", "ProbeChoice", "StageOneCalibr
            "choose_n_probes", "calibrate_stage1"]
 
 _MAX_WINNERS = 8  # distinct clusters holding a tied dense argmax kept per state
+
+#: Default safety factor of the probe choice: the estimate must show at most half the misses the target allows.
+PROBE_MARGIN = 2.0
 
 
 @dataclass
@@ -331,7 +335,7 @@ def _probe_choice(curve: torch.Tensor, p: int, n: int, target: float, confidence
 
 def choose_n_probes(needed: torch.Tensor, num_clusters: int, cluster_size: int, vocab_size: int, *,
                     target_agreement: float = 0.995, confidence: float = 0.95, num_pinned: int = 0,
-                    n_probes: int | None = None) -> ProbeChoice:
+                    n_probes: int | None = None, margin: float = 1.0) -> ProbeChoice:
     """The probe count to write, from the held-out states' :func:`probes_needed`.
 
     The smallest count whose held-out agreement reaches ``target_agreement`` with ``confidence``
@@ -339,8 +343,14 @@ def choose_n_probes(needed: torch.Tensor, num_clusters: int, cluster_size: int, 
     count below ``C`` shows that -- too few held-out states -- the smallest whose estimate reaches the
     target, with ``certified`` False.  Probing every cluster always agrees, so ``C`` is the last
     resort.  ``n_probes`` given: that count, judged the same way.
+
+    ``margin``: the estimate must also show at most ``1 / margin`` of the misses the target allows
+    (agreement ``>= 1 - (1 - target) / margin``), a safety factor for text unlike the held-out states.
     """
     _check_target(target_agreement, confidence)
+    if margin < 1.0:
+        raise ValueError(f"margin must be >= 1, got {margin}")
+    estimate_target = 1.0 - (1.0 - target_agreement) / margin
     n = needed.numel()
     if n == 0:
         raise ValueError("no held-out states to choose n_probes on")
@@ -351,8 +361,9 @@ def choose_n_probes(needed: torch.Tensor, num_clusters: int, cluster_size: int, 
             raise ValueError(f"n_probes must lie in [1, {num_clusters}], got {n_probes}")
         return _probe_choice(curve, n_probes, n, target_agreement, confidence, *layout)
     lower = agreement_lower_bound(curve[1:num_clusters], n, confidence)
-    for candidates in (lower, curve[1:num_clusters]):
-        ok = torch.nonzero(candidates >= target_agreement - 1e-12).flatten()
+    estimate_ok = curve[1:num_clusters] >= estimate_target - 1e-12
+    for ok_mask in ((lower >= target_agreement - 1e-12) & estimate_ok, estimate_ok):
+        ok = torch.nonzero(ok_mask).flatten()
         if ok.numel():
             return _probe_choice(curve, int(ok[0]) + 1, n, target_agreement, confidence, *layout)
     return _probe_choice(curve, num_clusters, n, target_agreement, confidence, *layout)
@@ -374,6 +385,10 @@ class StageOneCalibration:
     num_pinned: int
     target_agreement: float
     confidence: float
+    margin: float = 1.0
+    # name -> (states, the count that set alone needs, the set judged at the written count)
+    validation: dict[str, tuple[int, ProbeChoice, ProbeChoice]] = field(default_factory=dict)
+    pooled: ProbeChoice | None = None  # every validation state (held-out split included) at the written count
 
     @property
     def n_probes(self) -> int:
@@ -390,39 +405,217 @@ class StageOneCalibration:
                 "target_reached": self.choice.reached, "target_certified": self.choice.certified,
                 "weight_only_heldout_agreement": round(self.weight_only_same_probes.agreement, 6),
                 "weight_only_n_probes": self.weight_only.n_probes,
-                "pinned_ids": self.num_pinned, "epochs": self.fit.epochs, "best_epoch": self.fit.best_epoch}
+                "pinned_ids": self.num_pinned, "epochs": self.fit.epochs, "best_epoch": self.fit.best_epoch,
+                "margin": self.margin,
+                "validation_rows": None if self.pooled is None else int(
+                    self.fit.heldout_rows.numel() + sum(rows for rows, _, _ in self.validation.values())),
+                "validation_agreement_lower_bound": None if self.pooled is None else round(
+                    self.pooled.agreement_lower, 6),
+                "validation": {name: {"rows": rows, "n_probes_needed": alone.n_probes,
+                                      "agreement": round(at.agreement, 6),
+                                      "agreement_lower_bound": round(at.agreement_lower, 6)}
+                               for name, (rows, alone, at) in self.validation.items()}}
 
 
 def calibrate_stage1(weight: torch.Tensor, assignments: torch.Tensor, init: torch.Tensor, hidden: torch.Tensor, *,
                      pinned_ids=(), target_agreement: float = 0.995, confidence: float = 0.95,
                      n_probes: int | None = None, heldout_fraction: float = 0.2, seed: int = 0,
+                     margin: float = PROBE_MARGIN, validation: dict[str, torch.Tensor] | None = None,
                      device: str | torch.device = "cpu", progress: bool = False, **fit_options) -> StageOneCalibration:
-    """Fit the stage-1 vectors and choose ``n_probes`` on the held-out split of ``hidden``.
+    """Fit the stage-1 vectors and choose ``n_probes`` on states the fit never saw.
 
     1. Dense float32 targets of every state (:func:`cluster_targets`).
     2. Fit on the fitting split, early-stopped on the held-out split (:func:`fit_stage1`).
-    3. On the held-out split, stage 1 scored in the head's dtype as serving scores it: the probe count
-       (:func:`choose_n_probes`, or ``n_probes`` when given), and the weight-only ``init`` for comparison.
+    3. The probe count (or ``n_probes`` when given), judged on the held-out split and on every ``validation``
+       set (states of another source, e.g. the model's own samples when calibrating on a text), stage 1 scored
+       in the head's dtype as serving scores it: the smallest count at which every set's estimate shows at most
+       ``1 / margin`` of the misses the target allows and the one-sided ``confidence`` lower bound over all
+       these states pooled reaches the target (:func:`choose_n_probes`).  The weight-only ``init`` is judged on
+       the held-out split for comparison.
     """
     c = init.shape[0]
     _check_target(target_agreement, confidence)
-    choose = dict(target_agreement=target_agreement, confidence=confidence)
+    choose = dict(target_agreement=target_agreement, confidence=confidence, margin=margin)
     if n_probes is not None and not 1 <= n_probes <= c:
         raise ValueError(f"n_probes must lie in [1, {c}], got {n_probes}")
     v = assignments.numel()
     pinned = sorted({int(i) for i in pinned_ids if 0 <= int(i) < v})
-    targets = cluster_targets(weight, assignments, hidden, num_clusters=c, pinned_ids=pinned,
-                              top_k=fit_options.pop("top_k", 64), device=device, progress=progress)
+    top_k = fit_options.pop("top_k", 64)
+    targets = cluster_targets(weight, assignments, hidden, num_clusters=c, pinned_ids=pinned, top_k=top_k,
+                              device=device, progress=progress)
     fit = fit_stage1(weight, assignments, hidden, init, pinned_ids=pinned, heldout_fraction=heldout_fraction,
                      seed=seed, device=device, targets=targets, progress=progress, **fit_options)
-    held_h, held_t = hidden[fit.heldout_rows].to(device), targets.rows(fit.heldout_rows)
     layout = (c, int(torch.bincount(assignments, minlength=c).max()), v)
-    needed, needed_init = (probes_needed(centroids, held_h, held_t, dtype=weight.dtype)
-                           for centroids in (fit.centroids, init))
-    choice = choose_n_probes(needed, *layout, num_pinned=len(pinned), n_probes=n_probes, **choose)
+    held_h, held_t = hidden[fit.heldout_rows].to(device), targets.rows(fit.heldout_rows)
+    needed = {"heldout": probes_needed(fit.centroids, held_h, held_t, dtype=weight.dtype)}
+    for name, states in (validation or {}).items():
+        states = states.to(device)
+        t = cluster_targets(weight, assignments, states, num_clusters=c, pinned_ids=pinned, top_k=1, device=device)
+        needed[name] = probes_needed(fit.centroids, states, t, dtype=weight.dtype)
+    # Each set's estimate must show at most 1/margin of the allowed misses; the states of all sets pooled must
+    # show the target with the confidence (a small held-out split alone would demand zero misses).
+    per_set = {name: choose_n_probes(n, *layout, num_pinned=len(pinned), target_agreement=target_agreement,
+                                     confidence=0.5, margin=margin) for name, n in needed.items()}
+    pooled = choose_n_probes(torch.cat(list(needed.values())), *layout, num_pinned=len(pinned),
+                             target_agreement=target_agreement, confidence=confidence)
+    written = n_probes if n_probes is not None else max([pooled.n_probes, *(ch.n_probes for ch in per_set.values())])
+    at_written = {name: choose_n_probes(n, *layout, num_pinned=len(pinned), n_probes=written, **choose)
+                  for name, n in needed.items()}
+    needed_init = probes_needed(init, held_h, held_t, dtype=weight.dtype)
     return StageOneCalibration(
-        centroids=fit.centroids, choice=choice,
+        centroids=fit.centroids, choice=at_written["heldout"],
         weight_only=choose_n_probes(needed_init, *layout, num_pinned=len(pinned), **choose),
-        weight_only_same_probes=choose_n_probes(needed_init, *layout, num_pinned=len(pinned),
-                                                n_probes=choice.n_probes, **choose),
-        fit=fit, num_pinned=len(pinned), target_agreement=target_agreement, confidence=confidence)
+        weight_only_same_probes=choose_n_probes(needed_init, *layout, num_pinned=len(pinned), n_probes=written,
+                                                **choose),
+        fit=fit, num_pinned=len(pinned), target_agreement=target_agreement, confidence=confidence, margin=margin,
+        pooled=choose_n_probes(torch.cat(list(needed.values())), *layout, num_pinned=len(pinned), n_probes=written,
+                               target_agreement=target_agreement, confidence=confidence),
+        validation={name: (int(needed[name].numel()), per_set[name], at_written[name]) for name in needed
+                    if name != "heldout"})
+
+
+# ------------------------------------------------------------------------------------- self-calibration
+
+#: Short, varied openings the dense model continues when a build has no calibration text ("" is BOS alone):
+#: prose, code, lists, dialogue, markup and numbers, so the sampled text covers more than one style.
+SELF_CALIBRATION_PROMPTS: tuple[str, ...] = (
+    "", "The", "In this", "Once upon a time", "Hello", "We", "It is", "A", "Why", "How to", "Note:",
+    "Example:", "Summary:", "Q:", "1.", "-", "#", "def ", "import ", "class ", "for i in", "if ", "return",
+    "This function", "The following", "{\"", "<p>", "$ ", "2024", "Table",
+)
+
+
+@dataclass
+class SelfCalibration:
+    """Hidden states of the dense model's own samples (:func:`generate_calibration_states`) and how they were made."""
+
+    hidden: torch.Tensor
+    sequences: int
+    rounds: int
+    seconds: float
+    stopped_by_time: bool
+    settings: dict
+
+    def record(self) -> dict:
+        return {**self.settings, "states": int(self.hidden.shape[0]), "sequences": self.sequences,
+                "rounds": self.rounds, "seconds": round(self.seconds, 1), "stopped_by_time": self.stopped_by_time}
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                  getattr(model.config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _final_norm_needed(model, device) -> bool:
+    """Whether the last element of ``output_hidden_states`` still needs the final norm to give the logits."""
+    ids = torch.tensor([[1, 2, 3, 4]], device=device) % model.config.vocab_size
+    out = model(input_ids=ids, output_hidden_states=True)
+    hs, head = out.hidden_states[-1][0], model.get_output_embeddings()
+    if torch.allclose(head(hs).float(), out.logits[0].float(), rtol=1e-3, atol=1e-3):
+        return False
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if norm is not None and torch.allclose(head(norm(hs)).float(), out.logits[0].float(), rtol=1e-3, atol=1e-3):
+        return True
+    raise RuntimeError("cannot reproduce the model's logits from its last hidden state")
+
+
+@torch.no_grad()
+def generate_calibration_states(model, tokenizer, *, max_states: int = 16384, new_tokens: int = 96,
+                                temperature: float = 1.0, top_p: float = 0.95, seed: int = 0,
+                                time_budget_s: float = 600.0, prompts: tuple[str, ...] = SELF_CALIBRATION_PROMPTS,
+                                progress: bool = False) -> SelfCalibration:
+    """Sample the dense model from ``prompts`` and keep the LM head's input at every generated position.
+
+    A decode step sees the hidden state of the model's own previous outputs, so these states are what a
+    served model's head sees.  Each round samples one continuation of every prompt (BOS, when the
+    tokenizer has one, then the prompt; batch of ``len(prompts)``, left-padded) for up to ``new_tokens``
+    tokens (fewer when the context is shorter), with ``temperature`` / ``top_p``, seeded by
+    ``seed + round``; rounds repeat until ``max_states`` states or ``time_budget_s`` seconds.  A
+    sequence's states end at its first EOS.  States are float32 on the CPU, round by round.
+    """
+    from tqdm.auto import tqdm
+
+    if max_states < 1 or new_tokens < 1 or time_budget_s <= 0 or temperature <= 0 or not 0 < top_p <= 1:
+        raise ValueError("max_states, new_tokens, time_budget_s, temperature must be positive; top_p in (0, 1]")
+    device = next(model.parameters()).device
+    norm = getattr(getattr(model, "model", None), "norm", None) if _final_norm_needed(model, device) else None
+    eos = _eos_ids(model, tokenizer)
+    start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos) if eos else 0)
+    encoded = [([] if start_id is None else [int(start_id)])
+               + list(tokenizer(p, add_special_tokens=False).input_ids if p else []) for p in prompts]
+    encoded = [e if e else [pad_id] for e in encoded]
+    width = max(len(e) for e in encoded)
+    context = getattr(model.config, "max_position_embeddings", None)
+    steps = min(new_tokens, context - width) if isinstance(context, int) and context > width else new_tokens
+    input_ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded], device=device)
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device)
+    eos_tensor = torch.tensor(sorted(eos), dtype=torch.int64, device=device)
+    states: list[torch.Tensor] = []
+    count, rounds, t0 = 0, 0, time.perf_counter()
+    stopped_by_time = False
+    bar = tqdm(total=max_states, desc="self-calibration", unit="state", disable=not progress)
+    devices = [device] if device.type == "cuda" else []
+    while count < max_states:
+        remaining = time_budget_s - (time.perf_counter() - t0)
+        if remaining <= 0:
+            stopped_by_time = True
+            break
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed + rounds)
+            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=temperature,
+                                 top_p=top_p, top_k=0, max_new_tokens=steps, min_new_tokens=0, pad_token_id=pad_id,
+                                 eos_token_id=sorted(eos) or None, output_hidden_states=True,
+                                 return_dict_in_generate=True, max_time=remaining)
+        rounds += 1
+        generated = out.sequences[:, width:]
+        last = [step[-1][:, -1, :] for step in out.hidden_states]  # [B, H] per step, the head's input
+        hs = torch.stack(last[: generated.shape[1]], dim=1)  # [B, T, H]
+        if norm is not None:
+            hs = norm(hs)
+        is_eos = torch.isin(generated, eos_tensor) if eos_tensor.numel() else torch.zeros_like(generated, dtype=torch.bool)
+        before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before this position
+        keep = hs[before == 0].float().cpu()[: max_states - count]
+        states.append(keep)
+        count += keep.shape[0]
+        bar.update(keep.shape[0])
+        if time.perf_counter() - t0 >= time_budget_s and count < max_states:
+            stopped_by_time = True
+            break
+    bar.close()
+    hidden = torch.cat(states) if states else torch.empty(0, model.config.hidden_size)
+    settings = {"prompts": len(prompts), "new_tokens": steps, "temperature": temperature, "top_p": top_p,
+                "seed": seed, "max_states": max_states, "time_budget_s": time_budget_s}
+    return SelfCalibration(hidden=hidden, sequences=rounds * len(prompts), rounds=rounds,
+                           seconds=time.perf_counter() - t0, stopped_by_time=stopped_by_time, settings=settings)
+
+
+def load_causal_lm(model_dir, device: str = "cpu"):
+    """``(model, tokenizer)`` of a local Hugging Face checkpoint in float32, or a ``RuntimeError`` saying why not.
+
+    Refuses a checkpoint whose weights do not cover the model (e.g. a head-only file): ``transformers``
+    would initialise the missing layers at random and sample noise.
+    """
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise RuntimeError(f"transformers is not installed ({e})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                           output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - any loading failure means: cannot run this checkpoint
+        raise RuntimeError(f"cannot load the model with transformers: {str(e).splitlines()[0] if str(e) else e!r}"
+                           ) from None
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = [k for k in info.get("missing_keys", []) if k not in tied]
+    if missing:
+        raise RuntimeError(f"the checkpoint lacks {len(missing)} of the model's weights (e.g. {sorted(missing)[0]})")
+    tokenizer.padding_side = "left"
+    return model.to(device).eval(), tokenizer
