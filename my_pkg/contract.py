@@ -50,11 +50,22 @@ STATUS: Final = "my_pkg_status"
 FLASHHEAD_STATUS: Final = "my_pkg_flashhead_status"
 #: `(update: dict) -> ValidationReply`: what `update` would break on this worker; changes nothing.
 FLASHHEAD_VALIDATE: Final = "my_pkg_flashhead_validate"
-#: `(update: dict) -> FlashHeadStatus`: apply an update every worker validated.
+#: `(update: dict) -> CommitReply`: validate and apply `update` on this worker alone, as one settings version
+#: (for `LLM.collective_rpc`; refused while an API server's update holds the worker's lease).
 FLASHHEAD_APPLY: Final = "my_pkg_flashhead_apply"
+#: `(update: dict, txn: dict) -> PrepareReply`: phase 1 of an update: validate it and take the worker's lease
+#: (`txn` is a `Transaction`); changes no setting.
+FLASHHEAD_PREPARE: Final = "my_pkg_flashhead_prepare"
+#: `(update: dict, txn: dict, entry: dict) -> CommitReply`: phase 2: apply the prepared update, set the version,
+#: keep the audit `entry`, release the lease.
+FLASHHEAD_COMMIT: Final = "my_pkg_flashhead_commit"
+#: `(txn: dict, entry: dict | None) -> LeaseReply`: release the lease of `txn` without applying; keep `entry`.
+FLASHHEAD_ABORT: Final = "my_pkg_flashhead_abort"
+#: `() -> AuditReply`: the audit entries this worker keeps (rank 0 of each engine keeps them).
+AUDIT: Final = "my_pkg_audit"
 
 WORKER_METHOD_NAMES: Final = (PING, WORKER_INFO, CONFIG, STATUS, FLASHHEAD_STATUS, FLASHHEAD_VALIDATE,
-                              FLASHHEAD_APPLY)
+                              FLASHHEAD_APPLY, FLASHHEAD_PREPARE, FLASHHEAD_COMMIT, FLASHHEAD_ABORT, AUDIT)
 
 #: Sections of `GET /plugins/my_pkg/config/{section}`; each is the worker's `<section>_config`.
 CONFIG_SECTIONS: Final = ("scheduler", "model", "cache", "parallel")
@@ -252,6 +263,7 @@ class WorkerStatus(RankedReply):
     """Reply of `STATUS`: everything about a worker that changes while the engine runs."""
 
     pid: int
+    settings_version: int = Field(default=0, description="Updates committed on this worker since it started.")
     memory: MemoryInfo = Field(default_factory=MemoryInfo)
     flashhead: FlashHeadState
 
@@ -264,6 +276,81 @@ class WorkerStatus(RankedReply):
 
 class ValidationReply(RankedReply):
     errors: list[str] = Field(default_factory=list, description="Empty when the update can be applied.")
+
+
+# ---- versioned updates: a lease per worker, taken in ascending dp rank, then a commit ------------------
+
+class Transaction(BaseModel):
+    """Who runs an update and under which lease; sent with every phase of it."""
+
+    id: str = Field(description="Unique per update; names the lease and the audit entry.")
+    holder: str = Field(description="The API server running it (host, pid, API-server index).")
+    lease_s: float = Field(gt=0, description="The lease lapses this many seconds after it was taken.")
+    expected_version: int | None = Field(
+        default=None, description="Compare-and-set: refuse unless the worker's version is this one (If-Match).")
+    new_version: int | None = Field(default=None, description="The version the commit sets (max seen + 1).")
+
+
+class SettingsValues(BaseModel):
+    """The settings an update can change, as one worker had them."""
+
+    enabled: bool | None = None
+    n_probes: int | None = None
+    dense_batch_threshold: int | None = None
+
+
+class PrepareReply(RankedReply):
+    """Phase 1 on one worker: `granted` when the update is valid here and the lease is now the transaction's."""
+
+    granted: bool
+    version: int = Field(description="The worker's settings version.")
+    errors: list[str] = Field(default_factory=list, description="Why the update cannot be applied here.")
+    conflict: str | None = Field(
+        default=None, description="'busy' (another update holds the lease) or 'version' (compare-and-set failed).")
+    holder: str | None = Field(default=None, description="Who holds the lease when busy.")
+    before: SettingsValues = Field(default_factory=SettingsValues)
+
+
+class LeaseReply(RankedReply):
+    released: bool
+    version: int
+
+
+class CommitReply(FlashHeadStatus):
+    """Phase 2 on one worker: its FlashHead status after the update, and the version it now has."""
+
+    settings_version: int
+
+
+class AuditEntry(BaseModel):
+    """One audit record: a mutation (applied, rejected, failed, pending) or refusals of one caller, counted."""
+
+    model_config = ConfigDict(extra="allow")
+
+    time: str = Field(description="When it happened (UTC, ISO 8601); for refusals, the latest one.")
+    result: str = Field(description="applied, rejected, failed, pending or refused.")
+    status_code: int
+    request_id: str | None = None
+    api_server: str | None = Field(default=None, description="The API server that answered the request.")
+    role: str | None = None
+    token_source: str | None = None
+    token_fingerprint: str | None = Field(
+        default=None, description="HMAC of the token with a per-process key: equal within one process only.")
+    client: str | None = None
+    method: str | None = None
+    path: str | None = None
+    transaction: str | None = None
+    settings_version: int | None = None
+    engines: list[int] | None = Field(default=None, description="Data-parallel ranks the mutation covered.")
+    update: dict[str, Any] | None = None
+    before: list[dict[str, Any]] | None = None
+    reason: str | None = None
+    count: int = Field(default=1, description="Refusals: how many were collapsed into this entry.")
+    first_time: str | None = Field(default=None, description="Refusals: when the first one happened.")
+
+
+class AuditReply(RankedReply):
+    entries: list[AuditEntry] = Field(default_factory=list)
 
 
 # ---- the update ------------------------------------------------------------------------------------
@@ -283,8 +370,12 @@ def _integral(value: Any) -> Any:
     return value
 
 
-ProbeCount = Annotated[StrictInt, Field(ge=1), BeforeValidator(_integral)]
-RowCount = Annotated[StrictInt, Field(ge=0), BeforeValidator(_integral)]
+#: Upper bound of the integer fields: far above any served model's clusters or batch, and small enough that
+#: every RPC transport carries it (an unbounded int overflows vLLM's msgpack encoder).
+MAX_UPDATE_INT: Final = 2**31 - 1
+
+ProbeCount = Annotated[StrictInt, Field(ge=1, le=MAX_UPDATE_INT), BeforeValidator(_integral)]
+RowCount = Annotated[StrictInt, Field(ge=0, le=MAX_UPDATE_INT), BeforeValidator(_integral)]
 
 
 class FlashHeadUpdate(BaseModel):
@@ -339,6 +430,8 @@ def update_errors(update: Any) -> list[str]:
 
 
 __all__ = [
+    "AUDIT", "FLASHHEAD_ABORT", "FLASHHEAD_COMMIT", "FLASHHEAD_PREPARE", "MAX_UPDATE_INT",
+    "AuditEntry", "AuditReply", "CommitReply", "LeaseReply", "PrepareReply", "SettingsValues", "Transaction",
     "DENSE_ROW_REASONS", "REASON_CODES", "DenseReason", "DenseRowReason", "ReasonCode", "StepDenseReason",
     "CONFIG", "CONFIG_SECTIONS", "FLASHHEAD_APPLY", "FLASHHEAD_STATUS", "FLASHHEAD_VALIDATE", "PING",
     "RPC_PREFIX", "STATUS", "UPDATE_FIELDS", "WORKER_INFO", "WORKER_METHOD_NAMES",

@@ -138,6 +138,14 @@ VARIABLES: dict[str, EnvVar] = {
             "seconds a snapshot of the workers' status may be served before it is fetched again", _ENDPOINTS,
         ),
         EnvVar("MY_PKG_AUDIT_SIZE", 256, integer(1), "entries kept by the audit log ring", _ENDPOINTS),
+        EnvVar(
+            "MY_PKG_ALLOW_ANONYMOUS_READS", False, flag,
+            "1 opens the read routes to callers without a token when no token is configured", _ENDPOINTS,
+        ),
+        EnvVar(
+            "MY_PKG_ADMIN_MAX_BODY_BYTES", 4096, integer(64),
+            "largest request body a mutating admin route reads (larger: 413)", _ENDPOINTS,
+        ),
     )
 }
 

@@ -1,9 +1,11 @@
-"""Bearer-token authentication of the admin routes.
+"""Bearer-token authentication of the admin routes: deny by default.
 
 vLLM's ``--api-key`` middleware only guards ``/v1``, ``/v2``, ``/inference``
 and ``/cohere``; ``/plugins/*`` is open unless the plugin guards it itself.
-:func:`require_admin_auth` is installed as a dependency of the plugin's
-``APIRouter`` so that every route of the router runs it before its handler.
+The route class (`route_class.AdminRoute`) calls :func:`authenticate` before
+anything reads the request body; :func:`require_admin_auth` is also a
+dependency of the plugin's ``APIRouter`` (it shows the bearer scheme in the
+OpenAPI document and guards a route served some other way).
 
 Two roles, least privilege:
 
@@ -12,6 +14,9 @@ Two roles, least privilege:
   keys, taken the way vLLM takes them (``--api-key`` values, or
   ``VLLM_API_KEY`` when no ``--api-key`` was given). Those keys are shared
   with every inference client, so they never grant mutations.
+
+With no token configured at all, every route but ``/health`` answers 403 with
+the fix, unless ``MY_PKG_ALLOW_ANONYMOUS_READS=1`` opens the read routes.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import os
 import secrets
 from argparse import Namespace
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends
@@ -29,19 +34,31 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import Request
 
 from my_pkg import env
-from my_pkg.endpoints.audit import record_refusal
+from my_pkg.endpoints.audit import audit_of, caller, fingerprint
 from my_pkg.endpoints.config import (
     ENV_ADMIN_TOKEN,
     ENV_READ_TOKEN,
     ENV_VLLM_API_KEY,
+    ROUTE_PREFIX,
     STATE_ATTR,
+    anonymous_reads_allowed,
+    logger,
 )
-from my_pkg.endpoints.errors import AdminAPIError
+from my_pkg.endpoints.errors import (
+    AdminAPIError,
+    admin_role_error,
+    no_token_configured_error,
+    read_role_error,
+    unauthenticated_error,
+)
 
 #: Methods that never change anything; every other method is "mutating".
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 
-WWW_AUTHENTICATE = 'Bearer realm="my_pkg"'
+#: The one route open without a token when none is configured (liveness probes).
+OPEN_PATH = f"{ROUTE_PREFIX}/health"
+#: An admin token shorter than this draws a start-up warning.
+MIN_ADMIN_TOKEN_CHARS = 32
 
 ADMIN = "admin"
 READ = "read"
@@ -69,8 +86,10 @@ class TokenSet:
 
     digests: tuple[bytes, ...]
     sources: tuple[str, ...]
-    roles: tuple[str, ...] = ()  # per digest; empty means every token is admin (older callers)
-    token_sources: tuple[str, ...] = ()  # per digest: where that token came from
+    roles: tuple[str, ...]  # per digest
+    token_sources: tuple[str, ...]  # per digest: where that token came from
+    #: Start-up problems of the configuration (weak admin token, admin token shared with another role).
+    warnings: tuple[str, ...] = field(default=())
 
     @property
     def configured(self) -> bool:
@@ -81,7 +100,7 @@ class TokenSet:
         return any(self._role(i) == ADMIN for i in range(len(self.digests)))
 
     def _role(self, index: int) -> str:
-        return self.roles[index] if self.roles else ADMIN
+        return self.roles[index]
 
     def identify(self, presented: str) -> tuple[str, str] | None:
         """``(role, source)`` of the token ``presented`` (admin over read), or None; constant time.
@@ -96,15 +115,8 @@ class TokenSet:
         for role in (ADMIN, READ):
             for index, match in enumerate(matches):
                 if match and found is None and self._role(index) == role:
-                    found = (role, self.token_sources[index] if self.token_sources else "token")
+                    found = (role, self.token_sources[index])
         return found
-
-    def role_of(self, presented: str) -> str | None:
-        identity = self.identify(presented)
-        return identity[0] if identity else None
-
-    def matches(self, presented: str) -> bool:
-        return self.role_of(presented) is not None
 
 
 def _api_keys(args: Namespace | Any | None) -> list[str]:
@@ -142,7 +154,31 @@ def resolve_tokens(args: Namespace | Any | None = None) -> TokenSet:
         tuple(sources),
         tuple(role for _, role, _ in unique),
         tuple(source for _, _, source in unique),
+        _weaknesses(tokens),
     )
+
+
+def _weaknesses(tokens: list[tuple[str, str, str]]) -> tuple[str, ...]:
+    """What makes the admin token weak: too short, or equal to a token of the read role (which then admits
+    every holder of that token as admin, since admin wins)."""
+    found = []
+    for token, role, source in tokens:
+        if role != ADMIN:
+            continue
+        if len(token) < MIN_ADMIN_TOKEN_CHARS:
+            found.append(f"{source} is shorter than {MIN_ADMIN_TOKEN_CHARS} characters; use a random value "
+                         f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`).")
+        shared = sorted({other_source for other, other_role, other_source in tokens
+                         if other_role != ADMIN and other == token})
+        if shared:
+            found.append(f"{source} equals {' and '.join(shared)}: every holder of that token has the admin "
+                         "role. Give the admin role a token of its own.")
+    return tuple(found)
+
+
+def warn_about(tokens: TokenSet) -> None:
+    for warning in tokens.warnings:
+        logger.warning("my_pkg admin token: %s", warning)
 
 
 def _dedupe(items: Iterable[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
@@ -165,81 +201,59 @@ def _tokens_for_request(request: Request) -> TokenSet:
 
 
 async def require_admin_auth(request: Request, credentials: BearerCredentials) -> None:
-    """Router-level dependency: authenticate every request of the plugin.
+    """Router-level dependency: authenticate every request of the plugin (once; see :func:`authenticate`)."""
+    if getattr(request.state, "my_pkg_authenticated", False):
+        return
+    _check(request, credentials.credentials if credentials is not None else None)
+    request.state.my_pkg_authenticated = True
 
-    * tokens configured -> a matching ``Authorization: Bearer`` is required
-      (401 otherwise);
-    * no token configured -> read-only methods pass, everything else gets 403.
+
+def _check(request: Request, presented: str | None) -> None:
+    """Decide 401/403 or let through, recording who the caller is on ``request.state``.
+
+    * tokens configured -> a matching ``Authorization: Bearer`` is required (401 otherwise), and only the
+      admin role may use a mutating method (403);
+    * no token configured -> 403 everywhere but ``/health``, unless anonymous reads are opted into.
     """
     tokens = _tokens_for_request(request)
     mutating = request.method.upper() not in SAFE_METHODS
     if tokens.configured:
-        presented = credentials.credentials if credentials is not None else None
         identity = tokens.identify(presented) if presented is not None else None
-        role = identity[0] if identity else None
         if identity is None:
-            raise AdminAPIError(
-                401,
-                "Missing or invalid bearer token."
-                if presented is None
-                else "Invalid bearer token.",
-                type="authentication_error",
-                hint=(
-                    "Send 'Authorization: Bearer <token>' with the value of "
-                    f"{ENV_ADMIN_TOKEN}, {ENV_READ_TOKEN} (read routes only) or one "
-                    "of the server's API keys (read routes only)."
-                ),
-                headers={"WWW-Authenticate": WWW_AUTHENTICATE},
-            )
+            reason = "invalid_token" if presented is not None else "missing_token"
+            if presented is not None:
+                request.state.my_pkg_token_fingerprint = fingerprint(presented)
+            raise _refused(request, unauthenticated_error(presented is not None), reason, mutating)
+        role, source = identity
         request.state.my_pkg_role = role
-        request.state.my_pkg_token_source = identity[1]
-        request.state.my_pkg_token_fingerprint = hashlib.sha256(presented.encode("utf-8")).hexdigest()[:8]
+        request.state.my_pkg_token_source = source
+        request.state.my_pkg_token_fingerprint = fingerprint(presented)
         if mutating and role != ADMIN:
-            error = AdminAPIError(
-                403,
-                "This route needs the admin role; the token sent has the read role.",
-                type="permission_error",
-                hint=(
-                    f"Send the value of {ENV_ADMIN_TOKEN}. {ENV_READ_TOKEN} and the "
-                    "server's API keys (shared with inference clients) grant read "
-                    "routes only."
-                    if tokens.has_admin
-                    else f"No admin token is configured: set {ENV_ADMIN_TOKEN} in the "
-                    "API server's environment and restart."
-                ),
-                required_role=ADMIN,
-                role=role,
-            )
-            record_refusal(request, error.status_code, error.message)
-            raise error
+            raise _refused(request, read_role_error(role, tokens.has_admin), "read_role", mutating)
         return
-    if mutating:
-        raise AdminAPIError(
-            403,
-            "Mutating admin routes are disabled because no admin token is "
-            "configured; this route needs the admin role.",
-            type="permission_error",
-            hint=(
-                f"Set {ENV_ADMIN_TOKEN} in the API server's environment, restart, "
-                "and send 'Authorization: Bearer <token>'."
-            ),
-            required_role=ADMIN,
-        )
+    if request.url.path.rstrip("/") == OPEN_PATH or (not mutating and anonymous_reads_allowed()):
+        return
+    raise _refused(request, no_token_configured_error(mutating), "no_token_configured", mutating)
+
+
+def _refused(request: Request, error: AdminAPIError, reason: str, mutating: bool) -> AdminAPIError:
+    """Count and log the failure; a refused mutation also goes to the audit's refusals."""
+    audit = audit_of(request)
+    if audit is not None:
+        client = request.client.host if request.client else None
+        audit.auth_failed(reason, client, request.url.path)
+        if mutating:
+            audit.refuse(caller(request), error.status_code, error.message)
+    return error
 
 
 async def authenticate(request: Request) -> None:
-    """:func:`require_admin_auth` outside FastAPI's dependency injection (the route class calls it)."""
+    """Authenticate ``request`` from its headers alone (the body is not read yet); at most once per request."""
     await require_admin_auth(request, await bearer_scheme(request))
 
 
 async def require_admin_role(request: Request) -> None:
     """Route dependency for admin-only reads (the audit log): 403 for any other caller."""
-    if getattr(request.state, "my_pkg_role", None) != ADMIN:
-        raise AdminAPIError(
-            403,
-            "This route needs the admin role.",
-            type="permission_error",
-            hint=f"Send the value of {ENV_ADMIN_TOKEN} (set it in the API server's environment).",
-            required_role=ADMIN,
-            role=getattr(request.state, "my_pkg_role", None),
-        )
+    role = getattr(request.state, "my_pkg_role", None)
+    if role != ADMIN:
+        raise _refused(request, admin_role_error(role), "admin_only", False)

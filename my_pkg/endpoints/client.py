@@ -17,15 +17,28 @@ two model steps):
   `my_pkg_worker_info`, `my_pkg_config`) are fetched once and kept; they are
   dropped when the set of workers changes (another pid, another rank);
 * everything that changes (`my_pkg_status`: memory, FlashHead state and
-  counters) is fetched by one call at a time into a snapshot that reads serve
-  while it is no older than `MY_PKG_STATUS_MAX_AGE` (age counted from when the
-  call was sent); a FlashHead update invalidates it, so a read after a `PUT`
-  sees the new settings.
+  counters, settings version) is fetched by one call at a time into a snapshot
+  that reads serve while it is no older than `MY_PKG_STATUS_MAX_AGE` (age
+  counted from when the call was sent) and no update was committed since it
+  was asked for. A commit by this API server marks the snapshot stale at once;
+  a commit by a sibling API server on the same node (`vllm serve` runs one per
+  DP rank, or `--api-server-count`) is seen through the node's update marker
+  (:class:`UpdateMarker`, one `stat` per read), so a read after a `PUT` sees
+  the new settings from whichever API server answers it. A stale snapshot is
+  kept for vLLM's `/metrics` (which never waits) until the next one arrives.
+
+Engines: the API server talks to the engines vLLM's client manages
+(`engine_ranks_managed`): every engine under internal load balancing, only
+this node's under hybrid or external load balancing. Replies are labelled with
+those real data-parallel ranks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
@@ -41,7 +54,9 @@ from my_pkg.endpoints.errors import (
     AdminAPIError,
     classify_rpc_error,
     engine_dead_error,
+    no_engine_error,
     rpc_timeout_error,
+    unexpected_reply_error,
 )
 
 if TYPE_CHECKING:
@@ -91,6 +106,13 @@ class StatusSnapshot:
 
     workers: tuple[WorkerStatus, ...]
     requested_at: float  # time.monotonic()
+    requested_wall_ns: int = 0  # time.time_ns(), compared with the node's update marker
+    generation: int = 0  # the state's status generation when it was asked for
+
+    @property
+    def settings_version(self) -> int:
+        """The engines' settings version (the highest, should they differ)."""
+        return max((w.settings_version for w in self.workers), default=0)
 
     def age(self) -> float:
         """Seconds since the call for this snapshot was sent."""
@@ -106,13 +128,40 @@ def worker_ids(replies: Iterable[BaseModel]) -> frozenset[tuple[int, int, int | 
     return frozenset((getattr(r, "dp_rank", 0), getattr(r, "rank", 0), getattr(r, "pid", None)) for r in replies)
 
 
-class AdminHandler:
-    """What ``init_state`` stores on ``app.state.my_pkg_admin``.
+class UpdateMarker:
+    """A file per node and port whose modification time is that of the last update any API server committed.
+
+    The API servers of one `vllm serve` share the port (and the engines), not memory; a `stat` is what a
+    read costs to learn that a sibling committed an update after its snapshot was taken.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.path = os.path.join(tempfile.gettempdir(), f"my_pkg-admin-{os.getuid()}-{key}.updated")
+
+    def touch(self) -> None:
+        try:
+            with open(self.path, "a"):
+                pass
+            os.utime(self.path, None)
+        except OSError as exc:  # a read-only tmp costs siblings only the max age
+            logger.debug("Could not touch the update marker %s: %s", self.path, exc)
+
+    def changed_since(self, wall_ns: int) -> bool:
+        try:
+            return os.stat(self.path).st_mtime_ns >= wall_ns
+        except OSError:
+            return False
+
+
+class AdminState:
+    """The plugin's state in one API server (``app.state.my_pkg_admin``): its view of the engines.
 
     Wraps the engine client so that routes only ever see validated worker
     replies or an :class:`AdminAPIError` (503 worker failure / engine half
-    missing, 504 timeout). ``engine_client`` is ``None`` on the CPU-only
-    render server.
+    missing, 504 timeout), with the caches described in the module docstring,
+    the accepted tokens and this API server's share of the audit (refusals and
+    what never reached an engine). ``engine_client`` is ``None`` on the
+    CPU-only render server.
     """
 
     def __init__(
@@ -121,16 +170,28 @@ class AdminHandler:
         tokens: TokenSet,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         status_max_age: float = DEFAULT_STATUS_MAX_AGE,
+        *,
+        marker_key: str | None = None,
+        request_id_headers: bool = False,
     ) -> None:
         self.engine_client = engine_client
         self.tokens = tokens
         self.rpc_timeout = float(rpc_timeout)
         self.status_max_age = float(status_max_age)
+        #: vLLM's `--enable-request-id-headers`: its middleware writes X-Request-Id, the plugin only reads it.
+        self.request_id_headers = request_id_headers
         #: Engine-side work still running: reads keyed by what they fetch,
-        #: the one FlashHead update (validate, then apply) by ``UPDATE_KEY``.
+        #: the one FlashHead update (prepare, then commit) by ``UPDATE_KEY``.
         self.in_flight = SingleFlight()
         self._warned_single_engine = False
         self.audit = AuditLog()
+        self.marker = UpdateMarker(marker_key or f"pid{os.getpid()}")
+        core = getattr(engine_client, "engine_core", None)
+        index = getattr(core, "client_index", 0)
+        #: Who this API server is, in audit entries and lease holders.
+        self.identity = f"{socket.gethostname()}:{os.getpid()}/api{index if isinstance(index, int) else 0}"
+        self.api_server_index = index if isinstance(index, int) else 0
+        self._background: set[asyncio.Future[Any]] = set()
         #: The loop the routes run on; a metrics scrape from another thread schedules refreshes on it.
         self.loop: asyncio.AbstractEventLoop | None = _running_loop()
         self._static: dict[tuple[str, tuple[Hashable, ...]], list[Any]] = {}
@@ -138,6 +199,12 @@ class AdminHandler:
         self._snapshot: StatusSnapshot | None = None
         self._status_generation = 0
         self._known_workers: frozenset[tuple[int, int, int | None]] | None = None
+
+    def start_background(self, work: Awaitable[Any]) -> None:
+        """Run `work` on the event loop without anyone waiting for it (kept referenced until done)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def has_engine(self) -> bool:
@@ -156,7 +223,8 @@ class AdminHandler:
             return await asyncio.wait_for(asyncio.shield(task), timeout=self.rpc_timeout)
         except asyncio.TimeoutError as exc:
             if task.done():
-                raise  # the task's own failure, already an AdminAPIError
+                # It finished in the tick the wait expired: its own outcome (an applied update stays applied).
+                return task.result()
             raise rpc_timeout_error(what, self.rpc_timeout) from exc
 
     # ---- data that cannot change while the engine lives --------------------------------------
@@ -179,7 +247,7 @@ class AdminHandler:
             self._static[key] = replies
         return replies
 
-    async def identity(self, method: str, model: type[R], snapshot: StatusSnapshot) -> list[R]:
+    async def identity_of(self, method: str, model: type[R], snapshot: StatusSnapshot) -> list[R]:
         """Static replies of ``method`` from the workers of ``snapshot`` (fetched again if the workers changed)."""
         replies = await self.static(method, model)
         if worker_ids(replies) != snapshot.worker_ids:
@@ -193,43 +261,65 @@ class AdminHandler:
 
     # ---- data that changes: one snapshot, one call at a time --------------------------------
 
+    def _fresh(self, snapshot: StatusSnapshot | None) -> bool:
+        return (snapshot is not None and snapshot.generation == self._status_generation
+                and snapshot.age() <= self.status_max_age
+                and not self.marker.changed_since(snapshot.requested_wall_ns))
+
     async def status(self) -> StatusSnapshot:
-        """The workers' status, no older than ``status_max_age`` (fetched when it is)."""
+        """The workers' status, no older than ``status_max_age`` and no update since (fetched when it is)."""
         self.check_engine_alive()
         snapshot = self._snapshot
-        if snapshot is not None and snapshot.age() <= self.status_max_age:
+        if self._fresh(snapshot):
             return snapshot
         return await self.wait(self._refresh_status(), f"Worker RPC {STATUS}")
 
     def last_status(self) -> StatusSnapshot | None:
-        """The latest snapshot, however old (None before the first one); never calls the workers."""
+        """The latest snapshot, however old or stale (None before the first one); never calls the workers."""
         return self._snapshot
 
     def refresh_status_soon(self) -> None:
-        """Start fetching a new snapshot when the latest one is missing or too old; does not wait for it.
+        """Start fetching a new snapshot when the latest one is missing, too old or stale; does not wait for it.
 
         Runs on the event loop (a metrics scrape from another thread schedules it there).
         """
         if self.engine_client is None or getattr(self.engine_client, "errored", False) is True:
             return
-        snapshot = self._snapshot
-        if snapshot is None or snapshot.age() > self.status_max_age:
+        if not self._fresh(self._snapshot):
             self._refresh_status()
 
     def invalidate_status(self) -> None:
-        """Drop the snapshot, and any still in flight: the next read fetches the workers' status anew."""
+        """Mark the snapshot, and any still in flight, stale: the next read fetches the workers' status anew.
+
+        The stale snapshot stays for vLLM's `/metrics` until a new one replaces it; the siblings on this
+        node learn of the update through the marker.
+        """
         self._status_generation += 1
-        self._snapshot = None
+        self.marker.touch()
+
+    async def fill_at_start(self, attempts: int = 30, pause_s: float = 2.0) -> None:
+        """Fetch the first snapshot once the engines answer, so the first scrape of `/metrics` has the series."""
+        for _ in range(attempts):
+            if self.engine_client is None or getattr(self.engine_client, "errored", False) is True:
+                return
+            try:
+                await self.wait(self._refresh_status(), f"Worker RPC {STATUS}")
+                return
+            except AdminAPIError as exc:
+                logger.debug("First status snapshot not available yet: %s", exc.message)
+            except Exception:  # noqa: BLE001 - never let a background fill kill the loop
+                logger.exception("First status snapshot failed")
+            await asyncio.sleep(pause_s)
 
     def _refresh_status(self) -> asyncio.Task[StatusSnapshot]:
         return self.in_flight.start((STATUS, self._status_generation), self._fetch_status)
 
     async def _fetch_status(self) -> StatusSnapshot:
-        generation, requested_at = self._status_generation, time.monotonic()
+        generation, requested_at, wall_ns = self._status_generation, time.monotonic(), time.time_ns()
         workers = parse_replies(STATUS, WorkerStatus, await self.call_unbounded(STATUS))
-        snapshot = StatusSnapshot(tuple(workers), requested_at)
+        snapshot = StatusSnapshot(tuple(workers), requested_at, wall_ns, generation)
         current = self._snapshot
-        if generation == self._status_generation and (current is None or current.requested_at <= requested_at):
+        if current is None or (current.generation, current.requested_at) <= (generation, requested_at):
             self._snapshot = snapshot
         if self._known_workers is not None and snapshot.worker_ids != self._known_workers:
             logger.info("The engine's workers changed; fetching their identity and configuration again.")
@@ -239,15 +329,38 @@ class AdminHandler:
 
     # ---- the engine-side call ---------------------------------------------------------------
 
-    async def call_unbounded(self, method: str, *args: Any) -> list[Any]:
+    def engine_ranks(self) -> list[int]:
+        """The data-parallel ranks of the engines this API server manages, ascending (vLLM's order)."""
+        core = getattr(self.engine_client, "engine_core", None)
+        engines = getattr(core, "core_engines", None)
+        ranks = getattr(core, "engine_ranks_managed", None)
+        if isinstance(engines, list) and engines:
+            if isinstance(ranks, (list, tuple, range)) and len(ranks) == len(engines):
+                return [int(r) for r in ranks]
+            return list(range(len(engines)))
+        if isinstance(ranks, (list, tuple, range)) and len(ranks) >= 1:
+            return [int(ranks[0])]
+        return [0]
+
+    @property
+    def local_engines_only(self) -> bool:
+        """True under hybrid or external DP load balancing: other nodes' engines are not reachable from here."""
+        config = getattr(getattr(self.engine_client, "vllm_config", None), "parallel_config", None)
+        return getattr(config, "local_engines_only", False) is True
+
+    async def call_unbounded(self, method: str, *args: Any, engine: int | None = None) -> list[Any]:
         """The engine-side call itself: waits for as long as the workers take.
 
+        ``engine``: the index (in :meth:`engine_ranks`) of the one engine to call; None calls every engine.
         Only run it inside a task that :meth:`wait` bounds.
         """
         if not method.startswith(RPC_PREFIX):  # programming error guard
             raise ValueError(f"not a {RPC_PREFIX}* worker method: {method}")
         try:
-            result = await self._every_engine(method, tuple(args))
+            if engine is None:
+                result = await self._every_engine(method, tuple(args))
+            else:
+                result = await self._one_engine(engine, method, tuple(args))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -274,21 +387,41 @@ class AdminHandler:
         core = getattr(self.engine_client, "engine_core", None)
         engines = getattr(core, "core_engines", None)
         call_all = getattr(core, "call_utility_all_async", None)
+        ranks = self.engine_ranks()
         if isinstance(engines, list) and len(engines) > 1 and callable(call_all):
-            # One list per engine, in the order of `core_engines`: the data-parallel ranks.
+            # One list per engine, in the order of `core_engines`, i.e. of `engine_ranks_managed`.
             per_engine = await call_all("collective_rpc", method, None, args, None)
-            return [
-                {**reply, "dp_rank": dp_rank} if isinstance(reply, Mapping) else reply
-                for dp_rank, replies in enumerate(per_engine)
-                for reply in replies
-            ]
+            return [_labelled(reply, dp_rank) for dp_rank, replies in zip(ranks, per_engine) for reply in replies]
         if isinstance(engines, list) and len(engines) > 1 and not self._warned_single_engine:
             self._warned_single_engine = True
             logger.warning(
                 "This vLLM has %d engines but no way to call them all; admin calls reach "
                 "the first engine only.", len(engines),
             )
-        return await self.engine_client.collective_rpc(method, args=args)
+        replies = await self.engine_client.collective_rpc(method, args=args)
+        if not isinstance(replies, (list, tuple)):
+            return replies  # refused by the caller as an unexpected reply
+        return [_labelled(reply, ranks[0]) for reply in replies]
+
+    async def _one_engine(self, index: int, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """`collective_rpc` on the engine at ``index`` of :meth:`engine_ranks` only (every worker of it)."""
+        core = getattr(self.engine_client, "engine_core", None)
+        engines = getattr(core, "core_engines", None)
+        call_one = getattr(core, "_call_utility_async", None)
+        dp_rank = self.engine_ranks()[index]
+        if isinstance(engines, list) and len(engines) > 1:
+            if not callable(call_one):
+                raise RuntimeError("this vLLM's engine client cannot call one engine of several")
+            replies = await call_one("collective_rpc", method, None, args, None, engine=engines[index])
+        else:
+            replies = await self.engine_client.collective_rpc(method, args=args)
+        if not isinstance(replies, (list, tuple)):
+            return replies
+        return [_labelled(reply, dp_rank) for reply in replies]
+
+
+def _labelled(reply: Any, dp_rank: int) -> Any:
+    return {**reply, "dp_rank": dp_rank} if isinstance(reply, Mapping) else reply
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -327,35 +460,3 @@ def _first_error(exc: ValidationError) -> str:
     first = errors[0]
     loc = ".".join(str(p) for p in first.get("loc", ()))
     return f"{loc}: {first.get('msg', '')}"
-
-
-def no_engine_error() -> AdminAPIError:
-    return AdminAPIError(
-        503,
-        "This server has no engine (e.g. the CPU-only render server), so the "
-        "my_pkg admin routes cannot reach any worker.",
-        type="engine_unavailable",
-        hint="Use the admin routes on a vLLM server that runs a model.",
-    )
-
-
-def not_initialised_error() -> AdminAPIError:
-    return AdminAPIError(
-        503,
-        "The my_pkg admin plugin is not initialised yet (init_state has not run).",
-        type="engine_unavailable",
-        hint="Retry once the server has finished starting up.",
-    )
-
-
-def unexpected_reply_error(method: str, detail: str) -> AdminAPIError:
-    return AdminAPIError(
-        503,
-        f"Unexpected reply from worker RPC {method}: {detail}",
-        type="unexpected_reply",
-        hint=(
-            "The engine half and the endpoint half of my_pkg probably differ in "
-            "version; install the same version everywhere and restart."
-        ),
-        method=method,
-    )

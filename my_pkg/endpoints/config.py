@@ -23,16 +23,15 @@ logger = logging.getLogger(LOGGER_NAME)
 #: URL prefix of every route of the plugin.
 ROUTE_PREFIX = f"/plugins/{PLUGIN_NAME}"
 
-#: Attribute of ``app.state`` holding the :class:`AdminHandler`.
+#: Attribute of ``app.state`` holding the :class:`~my_pkg.endpoints.client.AdminState`.
 STATE_ATTR = "my_pkg_admin"
 
 #: Entry-point name of the engine half in ``vllm.general_plugins``.
 ENGINE_PLUGIN_ENTRY = "my_pkg_engine"
-#: Entry-point name of this (endpoint) half in ``vllm.endpoint_plugins``.
-ENDPOINT_PLUGIN_ENTRY = "my_pkg_admin"
 
 ENV_ADMIN_TOKEN = "MY_PKG_ADMIN_TOKEN"
 ENV_READ_TOKEN = "MY_PKG_READ_TOKEN"
+ENV_ALLOW_ANONYMOUS_READS = "MY_PKG_ALLOW_ANONYMOUS_READS"
 ENV_DISABLE = "MY_PKG_DISABLE"
 ENV_VLLM_API_KEY = "VLLM_API_KEY"
 ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
@@ -51,6 +50,16 @@ def rpc_timeout_from_env() -> float:
 def status_max_age_from_env() -> float:
     """Oldest status snapshot a read may be served from (`MY_PKG_STATUS_MAX_AGE`, >= 0; 0 fetches every time)."""
     return env.MY_PKG_STATUS_MAX_AGE
+
+
+def max_body_bytes() -> int:
+    """Largest body a mutating route reads (`MY_PKG_ADMIN_MAX_BODY_BYTES`); larger ones get 413 unread."""
+    return env.MY_PKG_ADMIN_MAX_BODY_BYTES
+
+
+def anonymous_reads_allowed() -> bool:
+    """`MY_PKG_ALLOW_ANONYMOUS_READS=1`: with no token configured, read routes answer anyone."""
+    return env.MY_PKG_ALLOW_ANONYMOUS_READS
 
 
 def vllm_plugins_allowlist() -> list[str] | None:

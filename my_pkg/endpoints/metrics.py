@@ -3,18 +3,26 @@
 One collector class serves both places the metrics appear:
 
 * vLLM's own `/metrics` (the API server's process-wide registry): :func:`expose_on_registry`
-  registers one collector per process, bound to the latest app's :class:`AdminHandler`. A
+  registers one collector per process, bound to the latest app's :class:`AdminState`. A
   scrape reads the handler's last snapshot, however old (its age is a gauge), and never calls
   or waits for the workers: it only schedules a background refresh when the snapshot is older
   than `MY_PKG_STATUS_MAX_AGE`, for the next scrape to read;
 * `GET /plugins/my_pkg/metrics`: :func:`render` of a snapshot the route fetched (no older than
-  the max age).
+  the max age);
+* vLLM's `/metrics` when it runs several API-server processes (`PROMETHEUS_MULTIPROC_DIR` set): that
+  route serves only the values processes write to the multiprocess directory, so the first API server
+  (client index 0) writes every new snapshot there (:class:`MultiprocessMirror`) and refreshes it in the
+  background every `MIRROR_INTERVAL_S`; the others write nothing, so no counter is summed twice.
+
+The snapshot a scrape reads is kept until the next one replaces it (an update marks it stale without
+dropping it), and the first one is fetched when the plugin starts: no scrape lacks the series.
 
 Series are labelled by `dp_rank` (the engine) and `rank` (the worker within it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import weakref
 from collections.abc import Callable, Iterable
@@ -24,13 +32,16 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from my_pkg.endpoints.client import AdminHandler, StatusSnapshot
+from my_pkg.endpoints.client import AdminState, StatusSnapshot
 from my_pkg.endpoints.config import logger
 
 #: Content type of the plugin's route: Prometheus text format 0.0.4, as vLLM's /metrics.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 #: Set by vLLM when it runs several API server processes: /metrics then serves multiprocess files only.
 ENV_PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+#: Seconds between two background refreshes of the snapshot the multiprocess mirror writes.
+MIRROR_INTERVAL_S = 5.0
 
 _PREFIX = "my_pkg_flashhead_"
 _WORKER = ("dp_rank", "rank")
@@ -110,10 +121,10 @@ class ScrapeCollector(Collector):
     """
 
     def __init__(self) -> None:
-        self._handler: Callable[[], AdminHandler | None] = lambda: None
+        self._handler: Callable[[], AdminState | None] = lambda: None
         self._warned = False
 
-    def bind(self, handler: AdminHandler) -> None:
+    def bind(self, handler: AdminState) -> None:
         """Serve ``handler``'s snapshots from now on (the latest app of the process wins)."""
         self._handler = weakref.ref(handler)
 
@@ -134,7 +145,7 @@ class ScrapeCollector(Collector):
             return []
 
 
-def _schedule_refresh(handler: AdminHandler) -> None:
+def _schedule_refresh(handler: AdminState) -> None:
     """Ask ``handler``'s event loop to refresh a stale snapshot; a scrape may run on another thread."""
     loop = handler.loop
     if loop is None or loop.is_closed():
@@ -149,21 +160,64 @@ _SCRAPE_COLLECTOR = ScrapeCollector()
 _registered: weakref.WeakSet[CollectorRegistry] = weakref.WeakSet()
 
 
-def expose_on_registry(handler: AdminHandler, registry: CollectorRegistry = REGISTRY) -> ScrapeCollector:
+class MultiprocessMirror:
+    """Writes each new snapshot into prometheus_client's multiprocess files (one writer per server).
+
+    Counters are written as this process's value (the collector sums processes: one writer keeps the
+    sum right); gauges with the `max` mode. Label sets are fixed per series as the files require.
+    """
+
+    def __init__(self) -> None:
+        from prometheus_client.values import MultiProcessValue
+
+        self._value_class = MultiProcessValue()
+        self._values: dict[tuple[str, str, tuple[str, ...], tuple[str, ...]], object] = {}
+
+    def write(self, snapshot: StatusSnapshot) -> None:
+        for family in families(snapshot):
+            if family.name == "my_pkg_status_snapshot_age_seconds":
+                continue  # an age is only right when read; the route serves it
+            for sample in family.samples:
+                names = tuple(sorted(sample.labels))
+                key = (family.name, sample.name, names, tuple(sample.labels[n] for n in names))
+                value = self._values.get(key)
+                if value is None:
+                    value = self._value_class(family.type, family.name, sample.name, list(names), list(key[3]),
+                                              family.documentation, multiprocess_mode="max")
+                    self._values[key] = value
+                value.set(float(sample.value))
+
+
+async def mirror_forever(handler: AdminState, mirror: MultiprocessMirror, interval: float = MIRROR_INTERVAL_S) -> None:
+    """Refresh the snapshot in the background and write each new one to the multiprocess files."""
+    written = None
+    while True:
+        handler.refresh_status_soon()
+        snapshot = handler.last_status()
+        if snapshot is not None and snapshot is not written:
+            try:
+                mirror.write(snapshot)
+                written = snapshot
+            except Exception:  # noqa: BLE001 - never let metrics kill the loop
+                logger.exception("my_pkg metrics could not be written for vLLM's multiprocess /metrics")
+                return
+        await asyncio.sleep(min(interval, 0.5) if written is None else interval)
+
+
+def expose_on_registry(handler: AdminState, registry: CollectorRegistry = REGISTRY) -> ScrapeCollector:
     """Serve ``handler``'s metrics from ``registry`` (default: the process registry vLLM's /metrics serves).
 
-    Idempotent: the collector is registered once per registry and rebound to the latest handler.
+    Idempotent: the collector is registered once per registry and rebound to the latest handler. With
+    several API-server processes, the first one also mirrors the snapshots into the multiprocess files.
     """
     _SCRAPE_COLLECTOR.bind(handler)
     if registry not in _registered:
         registry.register(_SCRAPE_COLLECTOR)
         _registered.add(registry)
-    if registry is REGISTRY and os.environ.get(ENV_PROMETHEUS_MULTIPROC_DIR):
-        logger.warning(
-            "%s is set (vLLM runs several API server processes): vLLM's /metrics then serves only "
-            "multiprocess metrics, so my_pkg's metrics are on /plugins/my_pkg/metrics only.",
-            ENV_PROMETHEUS_MULTIPROC_DIR,
-        )
+    if registry is REGISTRY and os.environ.get(ENV_PROMETHEUS_MULTIPROC_DIR) and handler.api_server_index == 0:
+        handler.start_background(mirror_forever(handler, MultiprocessMirror()))
+        logger.info("my_pkg metrics are written to %s for vLLM's multiprocess /metrics (every %g s).",
+                    ENV_PROMETHEUS_MULTIPROC_DIR, MIRROR_INTERVAL_S)
     return _SCRAPE_COLLECTOR
 
 

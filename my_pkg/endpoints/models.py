@@ -10,8 +10,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from my_pkg.contract import FlashHeadStatus, MemoryInfo, PingReply, WorkerConfig, WorkerIdentity
-
+from my_pkg.contract import (
+    AuditEntry,
+    CommitReply,
+    FlashHeadStatus,
+    MemoryInfo,
+    PingReply,
+    WorkerConfig,
+    WorkerIdentity,
+)
 
 
 def _snapshot_age() -> Any:
@@ -71,21 +78,30 @@ class ConfigResponse(BaseModel):
 # ------------------------------------------------------------------ flashhead
 class FlashHeadStatusResponse(BaseModel):
     num_workers: int
+    settings_version: int = Field(description="Updates committed on the engines; send it as If-Match to update "
+                                              "only these settings.")
     snapshot_age_s: float = _snapshot_age()
     workers: list[FlashHeadStatus]
 
 
 class FlashHeadUpdateResponse(BaseModel):
-    applied: dict[str, Any] = Field(description="The update applied on all workers.")
+    applied: dict[str, Any] = Field(description="The update applied on all workers of the engines listed.")
+    settings_version: int = Field(description="The settings version the update created (one per 200).")
+    engines: list[int] = Field(description="Data-parallel ranks of the engines the update covered.")
+    other_nodes_untouched: bool = Field(
+        description="True under hybrid or external DP load balancing: this API server manages only its node's "
+                    "engines, and the other nodes' were not updated (send the PUT to each node's API server).")
     num_workers: int
-    workers: list[FlashHeadStatus]
+    workers: list[CommitReply]
 
 
 # ---------------------------------------------------------------------- audit
 class AuditResponse(BaseModel):
-    size: int = Field(description="How many entries the ring keeps (MY_PKG_AUDIT_SIZE).")
-    num_entries: int
-    entries: list[dict[str, Any]] = Field(
-        description="Oldest first: time, request_id, role, token_source, token_sha256_prefix, "
-        "client, method, path, status_code, result, and update/before/after/reason where known."
-    )
+    size: int = Field(description="How many entries each record keeps (MY_PKG_AUDIT_SIZE).")
+    api_server: str = Field(description="The API server that answered (refusals are its own).")
+    mutations: list[AuditEntry] = Field(
+        description="Oldest first: updates applied or rejected, as the engines recorded them (the same from "
+        "every API server), and this API server's updates that never reached them (pending, failed).")
+    refusals: list[AuditEntry] = Field(
+        description="Refused mutations seen by this API server, one entry per caller, route and reason with a "
+        "count; least recent first.")

@@ -6,10 +6,12 @@ from argparse import Namespace
 from typing import TYPE_CHECKING, Any
 
 from my_pkg import PLUGIN_NAME, __version__
-from my_pkg.endpoints.auth import resolve_tokens
-from my_pkg.endpoints.client import AdminHandler
+from my_pkg.endpoints.auth import resolve_tokens, warn_about
+from my_pkg.endpoints.client import AdminState
 from my_pkg.endpoints.config import (
     ENV_ADMIN_TOKEN,
+    ENV_ALLOW_ANONYMOUS_READS,
+    anonymous_reads_allowed,
     ROUTE_PREFIX,
     STATE_ATTR,
     engine_half_excluded_by_allowlist,
@@ -51,13 +53,22 @@ class AdminEndpointPlugin:
         args: Namespace | Any | None,
     ) -> None:
         tokens = resolve_tokens(args)
-        handler = AdminHandler(engine_client, tokens, rpc_timeout_from_env(), status_max_age_from_env())
+        port = getattr(args, "port", None)
+        handler = AdminState(
+            engine_client, tokens, rpc_timeout_from_env(), status_max_age_from_env(),
+            # The API servers of one `vllm serve` share its port: the key of their update marker.
+            marker_key=f"port{port}" if isinstance(port, int) else None,
+            request_id_headers=getattr(args, "enable_request_id_headers", False) is True,
+        )
         setattr(state, STATE_ATTR, handler)
+        warn_about(tokens)
         if engine_client is not None:
             try:  # onto the registry vLLM's /metrics serves
                 expose_on_registry(handler)
             except Exception:  # noqa: BLE001 - the admin API and vLLM's metrics work without ours
                 logger.exception("my_pkg metrics could not be added to the Prometheus registry")
+            # The first snapshot, in the background: vLLM's /metrics has the series from its first scrape on.
+            handler.start_background(handler.fill_at_start())
 
         if engine_client is None:
             logger.info(
@@ -76,15 +87,18 @@ class AdminEndpointPlugin:
                 handler.status_max_age,
                 ", ".join(tokens.sources) if tokens.configured else "none",
             )
-        if not tokens.configured:
+        if not tokens.configured and anonymous_reads_allowed():
             logger.warning(
-                "No admin token configured: the read-only %s routes under %s are "
-                "open to anyone who can reach this server, and mutating routes "
-                "answer 403. Set %s (or start vLLM with --api-key) to require a "
-                "bearer token.",
-                PLUGIN_NAME,
-                ROUTE_PREFIX,
-                ENV_ADMIN_TOKEN,
+                "No admin token configured and %s=1: the read-only %s routes under %s "
+                "(topology, configuration) are open to anyone who can reach this server; "
+                "mutating routes answer 403. Set %s to require a bearer token.",
+                ENV_ALLOW_ANONYMOUS_READS, PLUGIN_NAME, ROUTE_PREFIX, ENV_ADMIN_TOKEN,
+            )
+        elif not tokens.configured:
+            logger.warning(
+                "No admin token configured: every %s route under %s but /health answers 403. "
+                "Set %s (or %s=1 to open the read routes).",
+                PLUGIN_NAME, ROUTE_PREFIX, ENV_ADMIN_TOKEN, ENV_ALLOW_ANONYMOUS_READS,
             )
         if engine_client is not None and engine_half_excluded_by_allowlist():
             logger.warning(

@@ -20,6 +20,12 @@ from pydantic import BaseModel
 from my_pkg import PLUGIN_NAME, __version__
 from my_pkg.contract import (
     CONFIG_SECTIONS,
+    AuditReply,
+    CommitReply,
+    LeaseReply,
+    PrepareReply,
+    SettingsValues,
+    Transaction,
     FlashHeadState,
     FlashHeadStatus,
     FlashHeadUpdate,
@@ -31,7 +37,8 @@ from my_pkg.contract import (
     WorkerStatus,
     update_errors,
 )
-from my_pkg.engine.jsonable import plain, to_jsonable
+from my_pkg.engine.admin_state import AdminLedger, ledger_of
+from my_pkg.engine.jsonable import plain, redacted_section
 
 
 def _rank(worker: Any) -> int:
@@ -128,13 +135,13 @@ def my_pkg_worker_info(self: Any) -> dict[str, Any]:
 
 
 def my_pkg_config(self: Any, section: str) -> dict[str, Any]:
-    """One vLLM config section of this worker as JSON-safe data."""
+    """One vLLM config section of this worker as JSON-safe data, by the section's allowlist (`jsonable`)."""
     if section not in CONFIG_SECTIONS:
         raise ValueError(
             f"unknown config section {section!r}; valid: {', '.join(CONFIG_SECTIONS)}"
         )
     config = getattr(self, f"{section}_config", None)
-    return _reply(WorkerConfig(rank=_rank(self), section=section, config=to_jsonable(config)))
+    return _reply(WorkerConfig(rank=_rank(self), section=section, config=redacted_section(config, section)))
 
 
 def _controller(worker: Any):
@@ -162,7 +169,7 @@ def _flashhead_state(worker: Any) -> FlashHeadState:
 def my_pkg_status(self: Any) -> dict[str, Any]:
     """Everything about this worker that changes while it runs: memory, FlashHead state and counters."""
     return _reply(WorkerStatus(rank=_rank(self), pid=os.getpid(), memory=_memory(self),
-                               flashhead=_flashhead_state(self)))
+                               settings_version=_ledger(self).version, flashhead=_flashhead_state(self)))
 
 
 def my_pkg_flashhead_status(self: Any) -> dict[str, Any]:
@@ -187,16 +194,83 @@ def my_pkg_flashhead_validate(self: Any, update: dict[str, Any]) -> dict[str, An
     return _reply(ValidationReply(rank=_rank(self), errors=_update_errors(self, update)))
 
 
-def my_pkg_flashhead_apply(self: Any, update: dict[str, Any]) -> dict[str, Any]:
-    """Apply a validated `update`; it takes effect from the next decode step."""
-    controller = _controller(self)
+def _ledger(worker: Any) -> AdminLedger:
+    from my_pkg import env
+
+    return ledger_of(worker, env.MY_PKG_AUDIT_SIZE)
+
+
+def _apply(worker: Any, update: dict[str, Any], txn: Transaction, entry: dict[str, Any] | None) -> dict[str, Any]:
+    """Apply `update` (validated again: nothing may have changed since), then record the commit."""
+    controller = _controller(worker)
     if controller is None:
         raise RuntimeError("FlashHead is not available on this worker")
-    errors = _update_errors(self, update)
+    errors = _update_errors(worker, update)
     if errors:
         raise ValueError("; ".join(errors))
     controller.apply(FlashHeadUpdate.model_validate(update))
-    return my_pkg_flashhead_status(self)
+    ledger = _ledger(worker)
+    ledger.committed(txn, entry if _rank(worker) == 0 else None)  # rank 0 of each engine keeps the audit
+    status = my_pkg_flashhead_status(worker)
+    return _reply(CommitReply.model_validate({**status, "settings_version": ledger.version}))
+
+
+def my_pkg_flashhead_apply(self: Any, update: dict[str, Any]) -> dict[str, Any]:
+    """Apply `update` on this worker alone, as one settings version; it takes effect from the next decode step.
+
+    For `LLM.collective_rpc` (one process, nothing to serialise against but the API servers): refused while
+    an API server's update holds this worker's lease.
+    """
+    txn = Transaction(id=f"local-{os.getpid()}-{_ledger(self).version}", holder=f"local pid {os.getpid()}",
+                      lease_s=1.0)
+    conflict = _ledger(self).conflict(txn)
+    if conflict is not None:
+        raise RuntimeError(f"another update holds this worker's lease ({conflict[1]})")
+    return _apply(self, update, txn, None)
+
+
+def my_pkg_flashhead_prepare(self: Any, update: dict[str, Any], txn: dict[str, Any]) -> dict[str, Any]:
+    """Phase 1: validate `update` and take this worker's lease for `txn`; changes no setting."""
+    transaction = Transaction.model_validate(txn)
+    ledger = _ledger(self)
+    state = _flashhead_state(self)
+    before = SettingsValues(enabled=state.enabled, n_probes=state.n_probes,
+                            dense_batch_threshold=state.dense_batch_threshold)
+    conflict = ledger.conflict(transaction)
+    errors = [] if conflict is not None else _update_errors(self, update)
+    granted = conflict is None and not errors
+    if granted:
+        ledger.take(transaction)
+    return _reply(PrepareReply(rank=_rank(self), granted=granted, version=ledger.version, errors=errors,
+                               conflict=conflict[0] if conflict else None,
+                               holder=conflict[1] if conflict else None, before=before))
+
+
+def my_pkg_flashhead_commit(self: Any, update: dict[str, Any], txn: dict[str, Any],
+                            entry: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Phase 2: apply the update `txn` prepared, set its version, keep `entry` in the audit, release the lease."""
+    transaction = Transaction.model_validate(txn)
+    ledger = _ledger(self)
+    if not ledger.may_commit(transaction):
+        holder = ledger.lease.holder if ledger.lease else None
+        raise RuntimeError(f"the lease of update {transaction.id} lapsed and {holder} took it; not applied here")
+    return _apply(self, update, transaction, entry)
+
+
+def my_pkg_flashhead_abort(self: Any, txn: dict[str, Any], entry: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Release the lease of `txn` without applying anything; keep `entry` (a rejected update) in the audit."""
+    transaction = Transaction.model_validate(txn)
+    ledger = _ledger(self)
+    released = ledger.release(transaction.id)
+    if entry is not None and _rank(self) == 0:
+        ledger.keep({**entry, "settings_version": ledger.version})
+    return _reply(LeaseReply(rank=_rank(self), released=released, version=ledger.version))
+
+
+def my_pkg_audit(self: Any) -> dict[str, Any]:
+    """The audit entries this worker keeps, oldest first (rank 0 of each engine keeps them; others send none)."""
+    entries = list(_ledger(self).entries) if _rank(self) == 0 else []
+    return _reply(AuditReply(rank=_rank(self), entries=entries))
 
 
 def _returns_plain_data(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -224,5 +298,9 @@ WORKER_METHODS = {
         my_pkg_flashhead_status,
         my_pkg_flashhead_validate,
         my_pkg_flashhead_apply,
+        my_pkg_flashhead_prepare,
+        my_pkg_flashhead_commit,
+        my_pkg_flashhead_abort,
+        my_pkg_audit,
     )
 }

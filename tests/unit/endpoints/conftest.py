@@ -8,17 +8,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from argparse import Namespace
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+import vllm  # noqa: F401 - imported once here, not inside the first test that reaches a worker method
 from fastapi import FastAPI
 
-from my_pkg import PLUGIN_NAME, __version__, contract
+from my_pkg import __version__, contract
+from my_pkg.engine import rpc
 from my_pkg.endpoints import AdminEndpointPlugin
 from my_pkg.endpoints.config import LOGGER_NAME
 
 ENV_VARS = (
+    "MY_PKG_ALLOW_ANONYMOUS_READS",
+    "MY_PKG_ADMIN_MAX_BODY_BYTES",
     "MY_PKG_ADMIN_TOKEN",
     "MY_PKG_READ_TOKEN",
     "MY_PKG_RPC_TIMEOUT",
@@ -39,9 +44,44 @@ def not_implemented_text(method: str) -> str:
     )
 
 
+class FakeController:
+    """The model-dependent part of a worker's FlashHead controller (what the real one checks after the
+    contract): FlashHead available, `n_probes` at most the number of clusters. Reads and writes `fh`."""
+
+    def __init__(self, fh: dict[str, Any]) -> None:
+        self.fh = fh
+
+    def status(self) -> contract.FlashHeadState:
+        fh = self.fh
+        return contract.FlashHeadState(
+            available=fh["available"], active=fh["available"] and fh["enabled"],
+            reason=None if fh["available"] else "model has no FlashHead assets",
+            reason_code=None if fh["available"] else "no_assets",
+            enabled=fh["enabled"],
+            num_clusters=fh["num_clusters"] if fh["available"] else None,
+            cluster_size=64, vocab_size=32000, n_probes=fh["n_probes"],
+            dense_batch_threshold=fh["dense_batch_threshold"], probe_sampling=True,
+            sampled_n_probes=None, sampled_rank=None,
+            pinned_token_ids=[2], fidelity_every=100,
+            backend="torch", extra_memory_bytes=1234, counters=fh["counters"],
+        )
+
+    def validate(self, update: contract.FlashHeadUpdate) -> list[str]:
+        if not self.fh["available"]:
+            return ["FlashHead is not available on this model"]
+        n = update.n_probes
+        if n is not None and n > self.fh["num_clusters"]:
+            return [f"n_probes={n} exceeds num_clusters={self.fh['num_clusters']}"]
+        return []
+
+    def apply(self, update: contract.FlashHeadUpdate) -> None:
+        self.fh.update(update.to_update())
+
+
 class FakeEngineClient:
-    """Stands in for vLLM's EngineClient: ``collective_rpc`` answers the my_pkg worker
-    methods with one reply per worker, built from the contract's models as the engine half does."""
+    """Stands in for vLLM's EngineClient: ``collective_rpc`` runs the engine half's real worker methods
+    (`my_pkg.engine.rpc.WORKER_METHODS`) on stand-in workers, one reply per worker; only the process
+    identity (pid, host, version) and the controller's model are simulated."""
 
     def __init__(self, world_size: int = 2, num_clusters: int = 16) -> None:
         self.world_size = world_size
@@ -71,6 +111,18 @@ class FakeEngineClient:
             }
             for rank in range(world_size)
         ]
+        self.workers = [self._worker(rank) for rank in range(world_size)]
+
+    def _worker(self, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            rank=rank, local_rank=rank, device=f"cuda:{rank}",
+            model_config=SimpleNamespace(model="/models/tiny", served_model_name="tiny-model", dtype="bfloat16",
+                                         max_model_len=4096),
+            cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=1000 + rank),
+            parallel_config=SimpleNamespace(world_size=self.world_size),
+            scheduler_config=SimpleNamespace(max_num_seqs=256),
+            my_pkg_fake_controller=FakeController(self.fh[rank]),
+        )
 
     @property
     def methods(self) -> list[str]:
@@ -93,67 +145,31 @@ class FakeEngineClient:
             raise self.errors[method]
         if method in self.overrides:
             return self.overrides[method]
-        impl = getattr(self, "_" + method, None)
+        impl = rpc.WORKER_METHODS.get(method)
         if impl is None or method in self.missing:
             raise Exception(not_implemented_text(method))
-        return [impl(rank, *args, **(kwargs or {})).model_dump(mode="json") for rank in range(self.world_size)]
+        replies = []
+        for rank, worker in enumerate(self.workers):
+            try:
+                reply = impl(worker, *args, **(kwargs or {}))
+            except Exception as exc:  # as vLLM's engine core returns a worker's failure
+                raise Exception(f"Call to collective_rpc method failed: Worker failed with error '{exc}'") from exc
+            replies.append(self._as_process(rank, method, reply))
+        return replies
 
-    # ---- the engine half, one contract model per method ----------------
-    def _my_pkg_ping(self, rank: int) -> contract.PingReply:
-        return contract.PingReply(plugin=PLUGIN_NAME, version=self.version[rank], rank=rank, pid=self.pids[rank])
-
-    def _my_pkg_worker_info(self, rank: int) -> contract.WorkerIdentity:
-        return contract.WorkerIdentity(
-            rank=rank, local_rank=rank, world_size=self.world_size,
-            pid=self.pids[rank], hostname="node-a", device=f"cuda:{rank}",
-            plugin_version=self.version[rank], torch_version="2.13.0", vllm_version="0.32.0",
-            model=contract.ModelInfo(name="tiny-model", path="/models/tiny", dtype="bfloat16", max_model_len=4096),
-            kv_cache=contract.KVCacheInfo(block_size=16, num_blocks=1000 + rank),
-        )
-
-    def _my_pkg_config(self, rank: int, section: str) -> contract.WorkerConfig:
-        if section not in contract.CONFIG_SECTIONS:
-            raise ValueError(f"unknown section {section}")
-        return contract.WorkerConfig(rank=rank, section=section, config={"max_num_seqs": 256})
-
-    def _flashhead_state(self, rank: int) -> contract.FlashHeadState:
-        fh = self.fh[rank]
-        return contract.FlashHeadState(
-            available=fh["available"], active=fh["available"] and fh["enabled"],
-            reason=None if fh["available"] else "model has no FlashHead assets",
-            reason_code=None if fh["available"] else "no_assets",
-            enabled=fh["enabled"],
-            num_clusters=fh["num_clusters"] if fh["available"] else None,
-            cluster_size=64, vocab_size=32000, n_probes=fh["n_probes"],
-            dense_batch_threshold=fh["dense_batch_threshold"], probe_sampling=True,
-            pinned_token_ids=[2], fidelity_every=100,
-            backend="torch", extra_memory_bytes=1234, counters=fh["counters"],
-        )
-
-    def _my_pkg_status(self, rank: int) -> contract.WorkerStatus:
-        return contract.WorkerStatus(
-            rank=rank, pid=self.pids[rank],
-            memory=contract.MemoryInfo(device_allocated_bytes=1 << 30, device_reserved_bytes=2 << 30,
-                                       process_rss_bytes=3 << 30, kv_cache_bytes=None),
-            flashhead=self._flashhead_state(rank),
-        )
-
-    def _my_pkg_flashhead_status(self, rank: int) -> contract.FlashHeadStatus:
-        return self._my_pkg_status(rank).flashhead_status()
-
-    def _my_pkg_flashhead_validate(self, rank: int, update: dict) -> contract.ValidationReply:
-        fh = self.fh[rank]
-        errors = contract.update_errors(update)
-        if not fh["available"]:
-            errors.append("FlashHead is not available on this model")
-        n = update.get("n_probes")
-        if n is not None and n > fh["num_clusters"]:
-            errors.append(f"n_probes={n} exceeds num_clusters={fh['num_clusters']}")
-        return contract.ValidationReply(rank=rank, errors=errors)
-
-    def _my_pkg_flashhead_apply(self, rank: int, update: dict) -> contract.FlashHeadStatus:
-        self.fh[rank].update(contract.FlashHeadUpdate.model_validate(update).to_update())
-        return self._my_pkg_flashhead_status(rank)
+    def _as_process(self, rank: int, method: str, reply: dict[str, Any]) -> dict[str, Any]:
+        """The reply as worker process `rank` of this fake would send it (its pid, host and version)."""
+        if "pid" in reply:
+            reply["pid"] = self.pids[rank]
+        if method == contract.PING:
+            reply["version"] = self.version[rank]
+        if method == contract.WORKER_INFO:
+            reply.update(hostname="node-a", plugin_version=self.version[rank], torch_version="2.13.0",
+                         vllm_version="0.32.0")
+        if method == contract.STATUS:
+            reply["memory"] = {"device_allocated_bytes": 1 << 30, "device_reserved_bytes": 2 << 30,
+                               "process_rss_bytes": 3 << 30, "kv_cache_bytes": None}
+        return reply
 
 
 @pytest.fixture
@@ -165,6 +181,12 @@ def anyio_backend() -> str:
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def fake_controllers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real worker methods find a stand-in worker's controller where the fake put it."""
+    monkeypatch.setattr(rpc, "_controller", lambda worker: getattr(worker, "my_pkg_fake_controller", None))
 
 
 @pytest.fixture
@@ -206,6 +228,7 @@ async def _make_app(
     api_key: list[str] | None = None,
     root_path: str = "",
     init: bool = True,
+    fill_seen: bool = False,
 ) -> FastAPI:
     app = FastAPI(root_path=root_path)
     args = Namespace(api_key=api_key, root_path=root_path or None)
@@ -214,7 +237,24 @@ async def _make_app(
     plugin.attach_router(app)
     if init:
         await plugin.init_state(engine, app.state, args)
+        await _settled(app)
+        calls = getattr(engine, "calls", None)
+        if not fill_seen:
+            # Most tests count the calls, and see the failures, their own requests cause: forget the
+            # start-up snapshot and its call (tests of the start-up fill pass fill_seen=True).
+            app.state.my_pkg_admin._snapshot = None
+            if isinstance(calls, list):
+                calls.clear()
     return app
+
+
+async def _settled(app: FastAPI) -> None:
+    """Let the plugin's start-up work (the first status snapshot) finish."""
+    state = getattr(app.state, "my_pkg_admin", None)
+    for _ in range(200):
+        if not getattr(state, "_background", None) or all(t.done() for t in state._background):
+            return
+        await asyncio.sleep(0.005)
 
 
 def _client_for(app: FastAPI, token: str | None = None, **kw: Any) -> httpx.AsyncClient:
@@ -269,7 +309,7 @@ def unknown_method_text():
     return not_implemented_text
 
 
-ADMIN_TOKEN = "s3cret"
+ADMIN_TOKEN = "s3cret-admin-token-of-32-characters"
 
 
 @pytest.fixture

@@ -10,16 +10,17 @@ import pytest
 from my_pkg.endpoints import auth
 from my_pkg.endpoints.auth import require_admin_auth, resolve_tokens
 from my_pkg.endpoints.config import ROUTE_PREFIX
+from my_pkg.endpoints.routes import router
 
 pytestmark = pytest.mark.anyio
 
-GET_PATHS = [
-    "/plugins/my_pkg/health",
-    "/plugins/my_pkg/workers",
-    "/plugins/my_pkg/config/model",
-    "/plugins/my_pkg/flashhead",
-    "/plugins/my_pkg/metrics",
-]
+
+def _concrete(path: str) -> str:
+    return path.replace("{section}", "model")
+
+
+#: Every read route of the router (the admin-only audit aside), derived from it.
+GET_PATHS = [_concrete(r.path) for r in router.routes if "GET" in r.methods and not r.path.endswith("/audit")]
 PUT_BODY = {"n_probes": 8}
 
 
@@ -97,11 +98,28 @@ async def test_read_tokens_without_an_admin_token_say_how_to_get_one(
         assert "No admin token is configured" in err["hint"]
 
 
-def test_a_token_that_is_both_admin_and_api_key_is_admin(monkeypatch):
+def _role(tokens, presented):
+    identity = tokens.identify(presented)
+    return identity[0] if identity else None
+
+
+def test_a_token_that_is_both_admin_and_api_key_is_admin_and_warned_about(monkeypatch, plugin_log):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "same")
     tokens = resolve_tokens(type("A", (), {"api_key": ["same", "other"]})())
-    assert tokens.role_of("same") == "admin" and tokens.role_of("other") == "read"
-    assert tokens.role_of("nope") is None
+    assert _role(tokens, "same") == "admin" and _role(tokens, "other") == "read"
+    assert _role(tokens, "nope") is None
+    auth.warn_about(tokens)
+    warnings = plugin_log.messages(logging.WARNING)
+    assert any("MY_PKG_ADMIN_TOKEN equals --api-key" in m for m in warnings)
+    assert any("shorter than 32 characters" in m for m in warnings)
+
+
+def test_a_long_admin_token_of_its_own_draws_no_warning(monkeypatch):
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "x" * 32)
+    monkeypatch.setenv("MY_PKG_READ_TOKEN", "reader")
+    assert resolve_tokens(type("A", (), {"api_key": ["other"]})()).warnings == ()
+    monkeypatch.setenv("MY_PKG_READ_TOKEN", "x" * 32)
+    assert any("equals MY_PKG_READ_TOKEN" in w for w in resolve_tokens(None).warnings)
 
 
 async def test_admin_token_and_api_keys_are_all_accepted(
@@ -150,16 +168,33 @@ async def test_bearer_scheme_is_case_insensitive(monkeypatch, engine, make_app, 
 
 
 # ----------------------------------------------------------- no token at all
-async def test_no_token_get_allowed_put_forbidden(
-    engine, make_app, client_for, assert_error, plugin_log
+async def test_no_token_denies_everything_but_health_with_the_fix(engine, make_app, client_for, assert_error,
+                                                                  plugin_log):
+    app = await make_app(engine)
+    assert any("No admin token configured" in m for m in plugin_log.messages(logging.WARNING))
+    async with client_for(app) as c:
+        assert (await c.get(f"{ROUTE_PREFIX}/health")).status_code == 200
+        for path in GET_PATHS + [f"{ROUTE_PREFIX}/audit"]:
+            if path.endswith("/health"):
+                continue
+            err = assert_error(await c.get(path), 403, "permission_error")
+            assert "MY_PKG_ADMIN_TOKEN" in err["hint"] and "MY_PKG_ALLOW_ANONYMOUS_READS=1" in err["hint"], path
+        assert_error(await c.put(f"{ROUTE_PREFIX}/flashhead", json=PUT_BODY), 403)
+    assert "my_pkg_config" not in engine.methods and "my_pkg_worker_info" not in engine.methods
+
+
+async def test_no_token_get_allowed_with_the_opt_in_put_forbidden(
+    monkeypatch, engine, make_app, client_for, assert_error, plugin_log
 ):
+    monkeypatch.setenv("MY_PKG_ALLOW_ANONYMOUS_READS", "1")
     app = await make_app(engine)
     warnings = plugin_log.messages(logging.WARNING)
-    assert any("No admin token configured" in m for m in warnings)
+    assert any("No admin token configured and MY_PKG_ALLOW_ANONYMOUS_READS=1" in m for m in warnings)
 
     async with client_for(app) as c:
         for path in GET_PATHS:
             assert (await c.get(path)).status_code == 200, path
+        assert_error(await c.get(f"{ROUTE_PREFIX}/audit"), 403)
         calls_before = list(engine.methods)
         err = assert_error(
             await c.put("/plugins/my_pkg/flashhead", json=PUT_BODY), 403, "permission_error"
@@ -175,8 +210,8 @@ async def test_no_token_get_allowed_put_forbidden(
         )
         assert_error(r, 403)
     assert engine.methods == calls_before
-    assert "my_pkg_flashhead_validate" not in engine.methods
-    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert "my_pkg_flashhead_prepare" not in engine.methods
+    assert "my_pkg_flashhead_commit" not in engine.methods
     assert engine.fh[0]["n_probes"] == 4
 
 
@@ -238,7 +273,7 @@ def test_token_check_compares_all_tokens(presented, monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(auth.secrets, "compare_digest", counting)
-    assert tokens.matches(presented) is (presented != "nope")
+    assert (tokens.identify(presented) is not None) is (presented != "nope")
     # every token compared, over fixed-size digests, whichever matched
     assert compared == [(32, 32)] * 3
 
@@ -251,9 +286,9 @@ def test_resolve_tokens_sources(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "v")
     ts = resolve_tokens(None)
     assert ts.sources == ("MY_PKG_ADMIN_TOKEN", "VLLM_API_KEY")
-    assert ts.matches("a") and ts.matches("v") and not ts.matches("b")
+    assert ts.identify("a") and ts.identify("v") and not ts.identify("b")
     ts = resolve_tokens(type("A", (), {"api_key": "single"})())
-    assert ts.matches("single") and not ts.matches("v")
+    assert ts.identify("single") and not ts.identify("v")
 
 
 # ---------------------------------------------------------- path variants

@@ -25,7 +25,7 @@ def client(monkeypatch, engine, make_app, client_for):
     async def make(max_age: float | None = None):
         if max_age is not None:
             monkeypatch.setenv("MY_PKG_STATUS_MAX_AGE", str(max_age))
-        app = await make_app(engine)
+        app = await make_app(engine, fill_seen=True)  # the start-up snapshot counts as the first status call
         return client_for(app, token=TOKEN), app.state.my_pkg_admin
 
     return make
@@ -56,7 +56,7 @@ async def test_each_config_section_is_fetched_once(client, engine):
         for section in ("model", "cache", "model", "cache", "model"):
             body = (await c.get(f"/plugins/my_pkg/config/{section}")).json()
             assert body["section"] == section and body["workers"][0]["section"] == section
-    assert [call["args"] for call in engine.calls] == [("model",), ("cache",)]
+    assert [call["args"] for call in engine.calls if call["method"] == "my_pkg_config"] == [("model",), ("cache",)]
 
 
 async def test_a_snapshot_is_served_until_it_is_older_than_the_max_age(client, engine):
@@ -79,7 +79,7 @@ async def test_max_age_zero_asks_the_workers_on_every_read(client, engine):
     async with c:
         for _ in range(3):
             assert (await c.get(FLASHHEAD)).status_code == 200
-    assert engine.methods == ["my_pkg_status"] * 3
+    assert engine.methods == ["my_pkg_status"] * 4  # the start-up snapshot, then one per read
 
 
 async def test_a_read_after_a_put_shows_the_new_settings(client, engine):
@@ -100,8 +100,8 @@ async def test_a_rejected_put_also_drops_the_snapshot(client, engine):
         assert (await c.get(FLASHHEAD)).status_code == 200
         assert (await c.put(FLASHHEAD, json={"n_probes": 999})).status_code == 409
         assert (await c.get(FLASHHEAD)).status_code == 200
-    # the first snapshot also told the rejection whether FlashHead is available; the PUT then dropped it
-    assert engine.methods == ["my_pkg_status", "my_pkg_flashhead_status", "my_pkg_flashhead_validate", "my_pkg_status"]
+    # the start-up snapshot serves the first read; the rejected PUT (prepare, then abort) marks it stale
+    assert engine.methods == ["my_pkg_status", "my_pkg_flashhead_prepare", "my_pkg_flashhead_abort", "my_pkg_status"]
 
 
 async def test_a_status_call_sent_before_a_put_is_neither_joined_nor_kept_after_it(client, engine, monkeypatch):
@@ -120,6 +120,7 @@ async def test_a_status_call_sent_before_a_put_is_neither_joined_nor_kept_after_
         return replies
 
     monkeypatch.setattr(engine, "collective_rpc", first_status_call_waits)
+    handler.invalidate_status()  # the start-up snapshot is not what this test races
     async with c:
         before = asyncio.create_task(c.get(FLASHHEAD))
         while not held:
@@ -132,7 +133,7 @@ async def test_a_status_call_sent_before_a_put_is_neither_joined_nor_kept_after_
     assert [w["n_probes"] for w in old["workers"]] == [4, 4]
     assert [w["n_probes"] for w in after["workers"]] == [8, 8]
     assert [w["n_probes"] for w in again["workers"]] == [8, 8]
-    assert engine.methods.count("my_pkg_status") == 2  # the held one and the one after the PUT
+    assert engine.methods.count("my_pkg_status") == 3  # at start-up, the held one, and the one after the PUT
 
 
 async def test_a_stalled_worker_is_noticed_once_the_snapshot_is_too_old(client, engine, monkeypatch, assert_error):
@@ -184,7 +185,7 @@ async def test_a_late_identity_reply_is_kept(monkeypatch, client, engine, assert
         assert_error(await c.get("/plugins/my_pkg/config/model"), 504, "timeout_error")
         await asyncio.sleep(0.4)
         assert (await c.get("/plugins/my_pkg/config/model")).status_code == 200
-    assert engine.methods == ["my_pkg_config"]
+    assert [m for m in engine.methods if m != "my_pkg_status"] == ["my_pkg_config"]
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("0", 0.0), (" 2.5 ", 2.5), ("", DEFAULT_STATUS_MAX_AGE)])

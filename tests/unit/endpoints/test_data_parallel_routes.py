@@ -19,11 +19,16 @@ class FakeDPEngineClient:
     def __init__(self, fake_engine_cls) -> None:
         self.engines = [fake_engine_cls(world_size=2), fake_engine_cls(world_size=2)]
         self.errored = False
-        self.engine_core = SimpleNamespace(core_engines=[b"\x00\x00", b"\x01\x00"],
-                                           call_utility_all_async=self._call_all)
+        self.engine_core = SimpleNamespace(core_engines=[b"\x00\x00", b"\x01\x00"], engine_ranks_managed=[0, 1],
+                                           call_utility_all_async=self._call_all,
+                                           _call_utility_async=self._call_one)
 
     async def _one(self, dp_rank: int, method: str, args: tuple) -> list:
         return await self.engines[dp_rank].collective_rpc(method, args=args)
+
+    async def _call_one(self, utility: str, method: str, timeout, args, kwargs, *, engine: bytes) -> list:
+        assert utility == "collective_rpc" and timeout is None
+        return await self._one(self.engine_core.core_engines.index(engine), method, args)
 
     async def _call_all(self, utility: str, method: str, timeout, args, kwargs) -> list:
         assert utility == "collective_rpc" and timeout is None

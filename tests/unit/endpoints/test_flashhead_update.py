@@ -77,20 +77,40 @@ async def test_valid_update_applied_on_all_workers(app_client, engine):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["applied"] == {"n_probes": 8, "enabled": False}
-    assert body["num_workers"] == 2
+    assert body["num_workers"] == 2 and body["settings_version"] == 1 and body["engines"] == [0]
+    assert body["other_nodes_untouched"] is False
     assert [w["n_probes"] for w in body["workers"]] == [8, 8]
     assert [w["enabled"] for w in body["workers"]] == [False, False]
-    assert engine.methods == ["my_pkg_flashhead_status", "my_pkg_flashhead_validate", "my_pkg_flashhead_apply"]
-    # only the given fields are sent, as the single positional argument
-    assert engine.calls[1]["args"] == ({"n_probes": 8, "enabled": False},)
-    assert engine.calls[2]["args"] == ({"n_probes": 8, "enabled": False},)
+    assert [w["settings_version"] for w in body["workers"]] == [1, 1]
+    # then the background refresh of the snapshot for vLLM's /metrics
+    assert engine.methods[:3] == ["my_pkg_flashhead_prepare", "my_pkg_flashhead_commit", "my_pkg_status"]
+    # only the given fields are sent, first, then the transaction (and, to commit, the audit entry)
+    assert engine.calls[0]["args"][0] == {"n_probes": 8, "enabled": False}
+    assert engine.calls[1]["args"][0] == {"n_probes": 8, "enabled": False}
+    assert engine.calls[0]["args"][1]["id"] == engine.calls[1]["args"][1]["id"]
+    assert engine.calls[1]["args"][1]["new_version"] == 1 and engine.calls[1]["args"][2]["result"] == "applied"
     assert _state(engine) == [(False, 8, 32), (False, 8, 32)]
+    status = await app_client.get(URL)
+    assert status.json()["settings_version"] == 1 and status.headers["ETag"] == '"1"'
 
 
 async def test_threshold_zero_is_valid(app_client, engine):
     r = await app_client.put(URL, json={"dense_batch_threshold": 0})
     assert r.status_code == 200
     assert _state(engine) == [(True, 4, 0), (True, 4, 0)]
+
+
+@pytest.mark.parametrize("field", ["n_probes", "dense_batch_threshold"])
+@pytest.mark.parametrize("value", [2**31, 2**64, 2**64 + 1, 1e300])
+async def test_integers_beyond_the_bound_are_422_not_503(field, value, app_client, engine, assert_error):
+    err = assert_error(await app_client.put(URL, json={field: value}), 422, "invalid_request_error")
+    assert "2147483647" in err["message"] and "2147483647" in err["hint"]
+    assert engine.calls == []
+
+
+async def test_the_largest_integer_reaches_the_workers(app_client, engine, assert_error):
+    err = assert_error(await app_client.put(URL, json={"n_probes": 2**31 - 1}), 409, "invalid_update")
+    assert "exceeds num_clusters" in err["errors"][0]["errors"][0]
 
 
 async def test_worker_side_rejection_on_one_rank_applies_nothing(
@@ -100,10 +120,12 @@ async def test_worker_side_rejection_on_one_rank_applies_nothing(
     before = _state(engine)
     err = assert_error(await app_client.put(URL, json={"n_probes": 8}), 409, "invalid_update")
     assert err["errors"] == [{"dp_rank": 0, "rank": 1, "errors": ["n_probes=8 exceeds num_clusters=6"]}]
-    assert err["update"] == {"n_probes": 8}
+    assert err["update"] == {"n_probes": 8} and err["settings_version"] == 0
     assert "nothing was applied" in err["message"]
-    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert "my_pkg_flashhead_commit" not in engine.methods
+    assert engine.methods[:2] == ["my_pkg_flashhead_prepare", "my_pkg_flashhead_abort"]  # rank 0's lease released
     assert _state(engine) == before
+    assert (await app_client.put(URL, json={"n_probes": 5})).status_code == 200  # nothing left held
 
 
 async def test_flashhead_unavailable_is_409(app_client, engine, assert_error):
@@ -112,38 +134,66 @@ async def test_flashhead_unavailable_is_409(app_client, engine, assert_error):
     err = assert_error(await app_client.put(URL, json={"enabled": True}), 409,
                        "flashhead_unavailable")
     assert [e["rank"] for e in err["errors"]] == [0, 1]
-    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert "my_pkg_flashhead_commit" not in engine.methods
 
 
-async def test_rejection_when_status_lookup_fails_is_409(app_client, engine, assert_error):
-    engine.fh[0]["num_clusters"] = 2
-    engine.errors["my_pkg_flashhead_status"] = RuntimeError("status broke")
-    assert_error(await app_client.put(URL, json={"n_probes": 4}), 409, "invalid_update")
-    assert "my_pkg_flashhead_apply" not in engine.methods
+async def test_if_match_applies_only_on_that_version(app_client, engine, assert_error):
+    assert (await app_client.put(URL, json={"n_probes": 5}, headers={"If-Match": '"0"'})).status_code == 200
+    err = assert_error(await app_client.put(URL, json={"n_probes": 6}, headers={"If-Match": '"0"'}), 409,
+                       "version_conflict")
+    assert err["settings_version"] == 1
+    assert _state(engine) == [(True, 5, 32), (True, 5, 32)]
+    assert (await app_client.put(URL, json={"n_probes": 6}, headers={"If-Match": "1"})).status_code == 200
+    assert_error(await app_client.put(URL, json={"n_probes": 7}, headers={"If-Match": "soon"}), 422)
+
+
+async def test_an_update_held_by_another_api_server_is_409_with_the_holder(app_client, engine, assert_error):
+    """Another API server (another process) prepared the engine and has not committed yet."""
+    from my_pkg.engine.admin_state import ledger_of
+    from my_pkg.contract import Transaction
+
+    for worker in engine.workers:
+        ledger_of(worker).take(Transaction(id="other", holder="host:42/api1", lease_s=60))
+    err = assert_error(await app_client.put(URL, json={"n_probes": 8}), 409, "update_in_progress")
+    assert err["holder"] == "host:42/api1"
+    assert _state(engine) == [(True, 4, 32), (True, 4, 32)]
+
+
+async def test_a_lapsed_lease_does_not_wedge_updates(app_client, engine):
+    """An API server that crashed between prepare and commit: its lease lapses."""
+    from my_pkg.engine.admin_state import ledger_of
+    from my_pkg.contract import Transaction
+
+    for worker in engine.workers:
+        ledger_of(worker).take(Transaction(id="crashed", holder="gone:1/api1", lease_s=0.001))
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    assert (await app_client.put(URL, json={"n_probes": 8})).status_code == 200
 
 
 async def test_validate_failure_applies_nothing(app_client, engine, assert_error):
-    engine.errors["my_pkg_flashhead_validate"] = RuntimeError("rank 1 died")
+    engine.errors["my_pkg_flashhead_prepare"] = RuntimeError("rank 1 died")
     assert_error(await app_client.put(URL, json={"n_probes": 4}), 503, "worker_error")
-    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert "my_pkg_flashhead_commit" not in engine.methods
 
 
 async def test_validate_reply_malformed_applies_nothing(app_client, engine, assert_error):
-    engine.overrides["my_pkg_flashhead_validate"] = [{"rank": 0, "errors": []}, "junk"]
+    engine.overrides["my_pkg_flashhead_prepare"] = [{"rank": 0, "granted": True, "version": 0}, "junk"]
     assert_error(await app_client.put(URL, json={"n_probes": 4}), 503, "unexpected_reply")
-    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert "my_pkg_flashhead_commit" not in engine.methods
 
 
 async def test_apply_failure_is_503_with_note(app_client, engine, assert_error):
-    engine.errors["my_pkg_flashhead_apply"] = RuntimeError("apply broke")
+    engine.errors["my_pkg_flashhead_commit"] = RuntimeError("apply broke")
     err = assert_error(await app_client.put(URL, json={"n_probes": 4}), 503, "worker_error")
-    assert "apply broke" in err["message"]
+    assert "apply broke" in err["message"]  # the admin role sees the worker's text
     assert "may now differ" in err["note"]
 
 
 async def test_engine_half_missing_on_put(app_client, engine, assert_error):
-    engine.missing.add("my_pkg_flashhead_validate")
+    engine.missing.add("my_pkg_flashhead_prepare")
     err = assert_error(await app_client.put(URL, json={"n_probes": 4}), 503,
                        "engine_plugin_missing")
     assert "my_pkg_engine" in err["hint"]
-    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert "my_pkg_flashhead_commit" not in engine.methods

@@ -192,11 +192,44 @@ async def test_a_failing_collector_leaves_the_rest_of_the_scrape_alone(app, regi
     assert len(failures) == 1  # logged once, not on every scrape
 
 
-async def test_multiprocess_mode_says_where_the_metrics_are(monkeypatch, engine, make_app, plugin_log, tmp_path):
+async def test_the_first_scrape_after_start_up_has_the_series(monkeypatch, engine, make_app, registry):
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
+    app = await make_app(engine, fill_seen=True)  # init_state fetched the first snapshot in the background
+    expose_on_registry(app.state.my_pkg_admin, registry)
+    found = samples(generate_latest(registry).decode())
+    assert found[("my_pkg_flashhead_steps_total", L(rank="0"))] == 10
+
+
+async def test_the_scrape_after_a_put_still_has_the_series(app, engine, registry, client_for):
+    expose_on_registry(app.state.my_pkg_admin, registry)
+    engine.delays["my_pkg_status"] = 0.2  # the refresh after the PUT is still on its way at the scrape
+    async with client_for(app, token=TOKEN) as c:
+        assert (await c.get("/plugins/my_pkg/flashhead")).status_code == 200
+        assert (await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 9})).status_code == 200
+    during = samples(generate_latest(registry).decode())
+    assert during[("my_pkg_flashhead_n_probes", L(rank="0"))] == 4  # the last snapshot, not a gap
+    await asyncio.sleep(0.3)
+    after = samples(generate_latest(registry).decode())
+    assert after[("my_pkg_flashhead_n_probes", L(rank="0"))] == 9
+
+
+def test_the_multiprocess_mirror_writes_what_vllms_multiprocess_metrics_serve(monkeypatch, tmp_path):
+    """With several API servers vLLM's /metrics reads prometheus_client's multiprocess files only."""
+    from prometheus_client import multiprocess
+
+    from my_pkg.endpoints.metrics import MultiprocessMirror
+
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    await make_app(engine)
-    assert any("PROMETHEUS_MULTIPROC_DIR" in m and "/plugins/my_pkg/metrics" in m
-               for m in plugin_log.messages(logging.WARNING))
+    mirror = MultiprocessMirror()
+    mirror.write(_snapshot(n_probes=4, dense_batch_threshold=16))
+    mirror.write(_snapshot(n_probes=6, dense_batch_threshold=16))  # a later snapshot replaces the values
+    served = CollectorRegistry()
+    multiprocess.MultiProcessCollector(served, path=str(tmp_path))
+    text = generate_latest(served).decode()
+    found = samples(text)
+    assert found[("my_pkg_flashhead_n_probes", L(rank="0"))] == 6
+    assert types(text)["my_pkg_flashhead_steps"] == "counter"
+    assert ("my_pkg_flashhead_steps_total", L(rank="0")) in found
 
 
 def test_the_grafana_dashboard_queries_only_series_the_plugin_exports():

@@ -12,21 +12,26 @@ import pytest
 from my_pkg import __version__, contract
 from my_pkg.endpoints import metrics as metrics_mod
 from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, rpc_timeout_from_env
+from my_pkg.endpoints.routes import router
+from my_pkg.engine import rpc
 
 pytestmark = pytest.mark.anyio
 
+#: Every route of the router with a request that reaches the workers (derived, never listed by hand).
 ROUTES = [
-    ("GET", "/plugins/my_pkg/health", None),
-    ("GET", "/plugins/my_pkg/workers", None),
-    ("GET", "/plugins/my_pkg/config/scheduler", None),
-    ("GET", "/plugins/my_pkg/flashhead", None),
-    ("GET", "/plugins/my_pkg/metrics", None),
-    ("PUT", "/plugins/my_pkg/flashhead", {"n_probes": 2}),
+    (method, route.path.replace("{section}", "scheduler"), {"n_probes": 2} if method == "PUT" else None)
+    for route in router.routes for method in sorted(route.methods - {"HEAD"})
+    if not route.path.endswith("/audit")
 ]
-TOKEN = "s3cret"  # the token of the conftest's app_client
-#: Every worker method a route reads through (all but the apply of an update).
+TOKEN = "s3cret-admin-token-of-32-characters"  # the token of the conftest's app_client
+#: Every worker method a route reads through first (all but the commit of an update).
 READ_METHODS = (contract.PING, contract.WORKER_INFO, contract.CONFIG, contract.STATUS, contract.FLASHHEAD_STATUS,
-                contract.FLASHHEAD_VALIDATE)
+                contract.FLASHHEAD_VALIDATE, contract.FLASHHEAD_PREPARE)
+
+
+def test_the_route_list_covers_the_router():
+    assert {path for _, path, _ in ROUTES} >= {"/plugins/my_pkg/health", "/plugins/my_pkg/flashhead"}
+    assert ("PUT", "/plugins/my_pkg/flashhead", {"n_probes": 2}) in ROUTES
 
 
 
@@ -62,7 +67,7 @@ async def test_workers_shape(app_client, engine):
 
 
 async def test_workers_sorted_by_rank_and_extra_fields_kept(app_client, engine):
-    info = [engine._my_pkg_worker_info(r).model_dump(mode="json") for r in (1, 0)]
+    info = [engine._as_process(r, contract.WORKER_INFO, rpc.my_pkg_worker_info(engine.workers[r])) for r in (1, 0)]
     info[0]["future_field"] = "x"
     engine.overrides["my_pkg_worker_info"] = info
     body = (await app_client.get("/plugins/my_pkg/workers")).json()
@@ -76,8 +81,8 @@ async def test_config_sections(section, app_client, engine):
     assert r.status_code == 200
     body = r.json()
     assert body["section"] == section and body["num_workers"] == 2
-    assert body["workers"][0] == {"rank": 0, "dp_rank": 0, "section": section,
-                                  "config": {"max_num_seqs": 256}}
+    expected = vars(getattr(engine.workers[0], f"{section}_config"))  # numbers and allowlisted text pass
+    assert body["workers"][0] == {"rank": 0, "dp_rank": 0, "section": section, "config": expected}
     assert engine.calls[-1]["args"] == (section,)
 
 
@@ -114,8 +119,8 @@ async def test_no_engine_every_route_503(
     async with client_for(app, token=TOKEN if with_token else None) as c:
         for method, path, body in ROUTES:
             r = await c.request(method, path, json=body)
-            if method == "PUT" and not with_token:
-                assert_error(r, 403)
+            if not with_token and not path.endswith("/health"):
+                assert_error(r, 403)  # deny by default comes before anything else
                 continue
             err = assert_error(r, 503, "engine_unavailable")
             assert "no engine" in err["message"]
@@ -138,8 +143,8 @@ async def test_worker_raising_is_503_with_cause(
     for name in READ_METHODS:
         engine.errors[name] = exc
     err = assert_error(await app_client.request(method, path, json=body), 503, "worker_error")
-    assert "boom on rank 1" in err["message"]
-    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert "boom on rank 1" in err["message"]  # the admin role sees the worker's text
+    assert "my_pkg_flashhead_commit" not in engine.methods
     # the server keeps serving once the workers recover
     engine.errors.clear()
     assert (await app_client.get("/plugins/my_pkg/health")).status_code == 200
@@ -196,7 +201,7 @@ async def test_timeout_is_504(
     assert "MY_PKG_RPC_TIMEOUT" in err["hint"]
     # Only the API server bounds its wait; the engine-side call has no timeout.
     assert engine.calls[0]["timeout"] is None
-    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert "my_pkg_flashhead_commit" not in engine.methods
 
 
 async def test_engine_side_timeout_text_is_504(app_client, engine, assert_error):

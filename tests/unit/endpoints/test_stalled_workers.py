@@ -77,7 +77,7 @@ async def test_an_update_whose_wait_expires_is_still_applied_on_every_worker(sta
     busy = assert_error(await c.put(FLASHHEAD, json={"n_probes": 5}), 409, "update_in_progress")
     assert busy["update"] == {"n_probes": 5}
     await _settle(handler)
-    assert engine.methods == ["my_pkg_flashhead_status", "my_pkg_flashhead_validate", "my_pkg_flashhead_apply"]
+    assert engine.methods[:2] == ["my_pkg_flashhead_prepare", "my_pkg_flashhead_commit"]
     assert [fh["n_probes"] for fh in engine.fh] == [3, 3]
     engine.delay = 0.0
     r = await c.put(FLASHHEAD, json={"n_probes": 5})
@@ -89,7 +89,7 @@ async def test_an_update_rejected_after_its_wait_expired_changes_nothing(stalled
     c, handler = stalled
     assert_error(await c.put(FLASHHEAD, json={"n_probes": 999}), 504, "timeout_error")
     await _settle(handler)
-    assert "my_pkg_flashhead_apply" not in engine.methods
+    assert "my_pkg_flashhead_commit" not in engine.methods
     assert [fh["n_probes"] for fh in engine.fh] == [4, 4]
 
 
@@ -104,3 +104,27 @@ async def test_a_dead_engine_answers_503_at_once_without_an_rpc(stalled, engine,
     assert_error(await c.request(method, path, json={"n_probes": 2} if method == "PUT" else None),
                  503, "engine_dead")
     assert engine.calls == []
+
+
+async def test_an_update_that_ends_in_the_tick_its_wait_expires_answers_its_result(monkeypatch, engine, make_app,
+                                                                                    client_for):
+    """The wait race: the task is done when the wait's timeout fires; its result is the answer, not 503."""
+    from types import SimpleNamespace
+
+    from my_pkg.endpoints import client as client_mod
+
+    async def expires_as_the_task_ends(awaitable, timeout):
+        await awaitable  # the task ends...
+        raise asyncio.TimeoutError  # ...and the timeout fires in the same tick
+
+    monkeypatch.setattr(client_mod, "asyncio", SimpleNamespace(
+        wait_for=expires_as_the_task_ends, shield=asyncio.shield, TimeoutError=asyncio.TimeoutError,
+        ensure_future=asyncio.ensure_future, Task=asyncio.Task, Future=asyncio.Future,
+        AbstractEventLoop=asyncio.AbstractEventLoop, get_running_loop=asyncio.get_running_loop,
+        CancelledError=asyncio.CancelledError, sleep=asyncio.sleep))
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
+    app = await make_app(engine)
+    async with client_for(app, token=TOKEN) as c:
+        r = await c.put(FLASHHEAD, json={"n_probes": 3})
+    assert r.status_code == 200, r.text
+    assert [fh["n_probes"] for fh in engine.fh] == [3, 3]

@@ -114,7 +114,7 @@ async def test_api_key_guards_plugin_routes_and_errors_keep_our_format(
             headers={"Origin": "http://x.example", "Access-Control-Request-Method": "PUT"},
         )
         assert preflight.status_code in (200, 400, 405)  # answered by CORS, not us
-    assert engine.calls == []
+    assert engine.methods in ([], ["my_pkg_status"])  # at most the start-up snapshot
     async with client_for(vllm_app, token=TOKEN) as c:
         # The server's API key reads; it never mutates (every inference client holds it).
         err = assert_error(await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 3}),
@@ -213,3 +213,29 @@ def test_import_pulls_in_neither_vllm_nor_engine_half():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("sent", [None, "caller-id-7"])
+async def test_with_vllms_request_id_headers_one_x_request_id_goes_out(sent, vllm_iface, monkeypatch, engine,
+                                                                       client_for):
+    """`--enable-request-id-headers`: vLLM's middleware writes the header; the plugin uses the same id."""
+    from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
+
+    monkeypatch.setenv("VLLM_PLUGINS", "my_pkg_admin,my_pkg_engine")
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", ADMIN)
+    args = _server_args()
+    args.enable_request_id_headers = True
+    app = _core_app()
+    app.state.args = args
+    vllm_iface.attach_endpoint_plugins(app, ())
+    init_entrypoints_middleware(args, app, ())
+    await vllm_iface.init_endpoint_plugins_state(engine, app.state, args)
+    headers = {"X-Request-Id": sent} if sent else {}
+    async with client_for(app, token=ADMIN) as c:
+        r = await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 3}, headers=headers)
+        assert r.status_code == 200, r.text
+        audit = (await c.get("/plugins/my_pkg/audit")).json()["mutations"]
+    ids = r.headers.get_list("X-Request-Id")
+    assert len(ids) == 1
+    if sent:  # the caller's id is the one vLLM echoes and the one the audit keeps
+        assert ids == [sent] and audit[-1]["request_id"] == sent

@@ -110,12 +110,14 @@ def test_every_result_survives_vllms_rpc_encoder(worker, name):
     from vllm.v1.serial_utils import MsgpackEncoder
 
     method = rpc.WORKER_METHODS[name]
+    txn = {"id": "t", "holder": "h", "lease_s": 5}
     args = {"my_pkg_config": ("model",), "my_pkg_flashhead_validate": ({"n_probes": 2},),
-            "my_pkg_flashhead_apply": ({"n_probes": 2},)}.get(name, ())
+            "my_pkg_flashhead_apply": ({"n_probes": 2},), "my_pkg_flashhead_prepare": ({"n_probes": 2}, txn),
+            "my_pkg_flashhead_commit": ({"n_probes": 2}, txn), "my_pkg_flashhead_abort": (txn,)}.get(name, ())
     try:
         result = method(worker, *args)
     except RuntimeError:
-        assert name == "my_pkg_flashhead_apply"  # no FlashHead on this worker
+        assert name in ("my_pkg_flashhead_apply", "my_pkg_flashhead_commit")  # no FlashHead on this worker
         return
     MsgpackEncoder().encode(result)
 
@@ -154,7 +156,11 @@ REPLY_MODELS = {
     contract.STATUS: (contract.WorkerStatus, ()),
     contract.FLASHHEAD_STATUS: (contract.FlashHeadStatus, ()),
     contract.FLASHHEAD_VALIDATE: (contract.ValidationReply, ({"n_probes": 2},)),
-    contract.FLASHHEAD_APPLY: (contract.FlashHeadStatus, ({"n_probes": 2},)),
+    contract.FLASHHEAD_APPLY: (contract.CommitReply, ({"n_probes": 2},)),
+    contract.FLASHHEAD_PREPARE: (contract.PrepareReply, ({"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5})),
+    contract.FLASHHEAD_ABORT: (contract.LeaseReply, ({"id": "t", "holder": "h", "lease_s": 5},)),
+    contract.FLASHHEAD_COMMIT: (contract.CommitReply, ({"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5})),
+    contract.AUDIT: (contract.AuditReply, ()),
 }
 
 
@@ -241,3 +247,102 @@ def test_an_update_is_applied_as_the_contract_reads_it(flashhead_worker):
     status = rpc.my_pkg_flashhead_apply(flashhead_worker, update)
     assert status["n_probes"] == 8 and status["enabled"] is True  # a field left out is left as it was
     assert status["dense_batch_threshold"] is None
+
+
+# ---- versioned updates: lease, compare-and-set, audit ----------------------------------------------
+
+def _txn(id_="t1", holder="host:1/api0", lease_s=30.0, **extra):
+    return {"id": id_, "holder": holder, "lease_s": lease_s, **extra}
+
+
+def test_prepare_takes_the_lease_and_a_second_transaction_finds_it_busy(flashhead_worker):
+    first = rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn("a", "server-a"))
+    assert first["granted"] and first["version"] == 0 and first["before"]["n_probes"] == 4
+    second = rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("b", "server-b"))
+    assert not second["granted"] and second["conflict"] == "busy" and second["holder"] == "server-a"
+    done = rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("a", new_version=1),
+                                       {"time": "t", "result": "applied", "status_code": 200, "transaction": "a"})
+    assert done["settings_version"] == 1 and done["n_probes"] == 5
+    assert rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("b"))["granted"]
+
+
+def test_compare_and_set_on_the_version(flashhead_worker):
+    stale = rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn(expected_version=3))
+    assert not stale["granted"] and stale["conflict"] == "version" and stale["version"] == 0
+
+
+def test_an_invalid_update_takes_no_lease(flashhead_worker):
+    refused = rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 33}, _txn("a"))
+    assert not refused["granted"] and "32" in refused["errors"][0]
+    assert rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn("b"))["granted"]
+
+
+def test_a_lapsed_lease_is_taken_over_and_its_late_commit_refused(flashhead_worker):
+    import time
+
+    assert rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn("crashed", lease_s=0.001))["granted"]
+    time.sleep(0.01)
+    assert rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("next"))["granted"]
+    with pytest.raises(RuntimeError, match="lapsed"):
+        rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("crashed"))
+
+
+def test_commit_and_abort_keep_the_audit_on_rank_0_only(flashhead_worker):
+    flashhead_worker.rank = 0
+    rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn("a"))
+    entry = {"time": "2026-01-01T00:00:00Z", "result": "applied", "status_code": 200, "transaction": "a",
+             "token_source": "MY_PKG_ADMIN_TOKEN"}
+    rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("a"), entry)
+    rpc.my_pkg_flashhead_abort(flashhead_worker, _txn("b"), {**entry, "result": "rejected", "transaction": "b"})
+    entries = rpc.my_pkg_audit(flashhead_worker)["entries"]
+    assert [(e["result"], e["settings_version"]) for e in entries] == [("applied", 1), ("rejected", 1)]
+    assert entries[0]["token_source"] == "MY_PKG_ADMIN_TOKEN"  # the plugin's own fields are not redacted
+    flashhead_worker.rank = 1
+    assert rpc.my_pkg_audit(flashhead_worker)["entries"] == []
+
+
+def test_status_carries_the_settings_version(flashhead_worker):
+    rpc.my_pkg_flashhead_apply(flashhead_worker, {"n_probes": 5})
+    assert rpc.my_pkg_status(flashhead_worker)["settings_version"] == 1
+
+
+# ---- redaction by allowlist ----------------------------------------------------------------------
+
+def test_parallel_config_hides_addresses_ports_and_ray_env_values(worker):
+    from vllm.config import ParallelConfig
+
+    worker.parallel_config = ParallelConfig(tensor_parallel_size=1)
+    worker.parallel_config.ray_runtime_env = {"env_vars": {"DATABASE_URL": "postgres://u:pw@db/x",
+                                                           "HF_TOKEN": "hf_x"}, "pip": ["pkg"]}
+    config = rpc.my_pkg_config(worker, "parallel")["config"]
+    text = json.dumps(config)
+    assert "pw@" not in text and "hf_x" not in text and "postgres" not in text
+    assert config["ray_runtime_env"]["env_vars"] == {"DATABASE_URL": REDACTED, "HF_TOKEN": REDACTED}
+    assert config["master_addr"] == REDACTED and config["master_port"] == REDACTED
+    assert config["data_parallel_master_ip"] == REDACTED and config["tensor_parallel_size"] == 1
+
+
+@pytest.mark.parametrize("key", ["private_key", "Authorization", "GITHUB_PAT", "client_secret", "db_password"])
+def test_secret_names_are_redacted_at_any_depth(key):
+    from my_pkg.engine.jsonable import redacted_section
+
+    config = {"hf_overrides": {"nested": {key: "LEAKED"}}, "max_num_seqs": 8}
+    assert "LEAKED" not in json.dumps(redacted_section(config, "model"))
+
+
+def test_urls_lose_their_user_info_and_the_depth_cut_is_truncated():
+    from my_pkg.engine.jsonable import TRUNCATED, redacted_section
+
+    deep = {"a": {"b": {"c": {"d": {"e": {"f": {"g": {"api_key": "LEAKED"}}}}}}}}
+    out = redacted_section({"hf_overrides": deep, "model": "https://user:pw@hub.example/m"}, "model")
+    text = json.dumps(out)
+    assert "LEAKED" not in text and TRUNCATED in text and "pw@" not in text
+    assert out["model"] == f"https://{REDACTED}@hub.example/m"
+
+
+def test_fields_off_the_allowlist_are_redacted_numbers_pass():
+    from my_pkg.engine.jsonable import redacted_section
+
+    out = redacted_section({"allowed_local_media_path": "/data", "new_text_field": "x", "max_model_len": 256},
+                           "model")
+    assert out == {"allowed_local_media_path": REDACTED, "new_text_field": REDACTED, "max_model_len": 256}
