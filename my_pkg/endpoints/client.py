@@ -297,19 +297,24 @@ class AdminState:
         self._status_generation += 1
         self.marker.touch()
 
-    async def fill_at_start(self, attempts: int = 30, pause_s: float = 2.0) -> None:
-        """Fetch the first snapshot once the engines answer, so the first scrape of `/metrics` has the series."""
-        for _ in range(attempts):
+    async def fill_at_start(self, attempts: int = 30, pause_s: float = 2.0) -> bool:
+        """Fetch the first snapshot once the engines answer, so the first scrape of `/metrics` has the series.
+
+        True once there is one; each attempt waits at most `rpc_timeout`.
+        """
+        for attempt in range(attempts):
             if self.engine_client is None or getattr(self.engine_client, "errored", False) is True:
-                return
+                return False
             try:
                 await self.wait(self._refresh_status(), f"Worker RPC {STATUS}")
-                return
+                return True
             except AdminAPIError as exc:
                 logger.debug("First status snapshot not available yet: %s", exc.message)
             except Exception:  # noqa: BLE001 - never let a background fill kill the loop
                 logger.exception("First status snapshot failed")
-            await asyncio.sleep(pause_s)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(pause_s)
+        return False
 
     def _refresh_status(self) -> asyncio.Task[StatusSnapshot]:
         return self.in_flight.start((STATUS, self._status_generation), self._fetch_status)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from my_pkg import PLUGIN_NAME
-from my_pkg import env
+from my_pkg import PLUGIN_NAME, env
 from my_pkg.env import plugin_disabled
 
 # vLLM configures a handler on the "vllm" logger only (propagate=False), so a

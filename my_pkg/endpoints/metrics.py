@@ -215,7 +215,10 @@ def expose_on_registry(handler: AdminState, registry: CollectorRegistry = REGIST
         registry.register(_SCRAPE_COLLECTOR)
         _registered.add(registry)
     if registry is REGISTRY and os.environ.get(ENV_PROMETHEUS_MULTIPROC_DIR) and handler.api_server_index == 0:
-        handler.start_background(mirror_forever(handler, MultiprocessMirror()))
+        mirror = MultiprocessMirror()
+        if handler.last_status() is not None:  # written before the server serves its first scrape
+            mirror.write(handler.last_status())
+        handler.start_background(mirror_forever(handler, mirror))
         logger.info("my_pkg metrics are written to %s for vLLM's multiprocess /metrics (every %g s).",
                     ENV_PROMETHEUS_MULTIPROC_DIR, MIRROR_INTERVAL_S)
     return _SCRAPE_COLLECTOR

@@ -11,9 +11,9 @@ from my_pkg.endpoints.client import AdminState
 from my_pkg.endpoints.config import (
     ENV_ADMIN_TOKEN,
     ENV_ALLOW_ANONYMOUS_READS,
-    anonymous_reads_allowed,
     ROUTE_PREFIX,
     STATE_ATTR,
+    anonymous_reads_allowed,
     engine_half_excluded_by_allowlist,
     logger,
     rpc_timeout_from_env,
@@ -25,7 +25,6 @@ from my_pkg.endpoints.routes import router
 if TYPE_CHECKING:
     from fastapi import FastAPI
     from starlette.datastructures import State
-
     from vllm.engine.protocol import EngineClient
     from vllm.tasks import SupportedTask
 
@@ -63,12 +62,14 @@ class AdminEndpointPlugin:
         setattr(state, STATE_ATTR, handler)
         warn_about(tokens)
         if engine_client is not None:
+            # The first snapshot before the server serves (the engines are ready by now; a few ms), so the
+            # first scrape of vLLM's /metrics has the series; retried in the background if it failed.
+            if not await handler.fill_at_start(attempts=1):
+                handler.start_background(handler.fill_at_start())
             try:  # onto the registry vLLM's /metrics serves
                 expose_on_registry(handler)
             except Exception:  # noqa: BLE001 - the admin API and vLLM's metrics work without ours
                 logger.exception("my_pkg metrics could not be added to the Prometheus registry")
-            # The first snapshot, in the background: vLLM's /metrics has the series from its first scrape on.
-            handler.start_background(handler.fill_at_start())
 
         if engine_client is None:
             logger.info(

@@ -112,7 +112,7 @@ def test_endpoint_half_without_engine_half_reports_the_fix(endpoint_only_server)
         error = response.json()["error"]
         assert "my_pkg_engine" in (error["message"] + (error.get("hint") or ""))
         assert "VLLM_PLUGINS" in (error["message"] + (error.get("hint") or ""))
-        assert http.get("/plugins/my_pkg/workers").status_code == 503
+        assert http.get("/plugins/my_pkg/workers").status_code == 403  # deny by default: no token configured
         _complete(http, str(endpoint_only_server.model))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from e2e_support import ADMIN_TOKEN, auth, client
 
 pytestmark = pytest.mark.e2e
@@ -24,6 +23,8 @@ def test_every_engine_is_listed_and_updated(dp2_server):
         response = http.put(FLASHHEAD, json={"n_probes": target}, headers=admin)
         assert response.status_code == 200, response.text
         assert response.json()["num_workers"] == 2
+        assert response.json()["engines"] == [0, 1] and response.json()["other_nodes_untouched"] is False
+        assert {w["settings_version"] for w in response.json()["workers"]} == {response.json()["settings_version"]}
         after = http.get(FLASHHEAD, headers=admin).json()["workers"]
         assert [(s["dp_rank"], s["n_probes"]) for s in after] == [(0, target), (1, target)]
 

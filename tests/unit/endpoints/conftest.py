@@ -17,9 +17,8 @@ import vllm  # noqa: F401 - imported once here, not inside the first test that r
 from fastapi import FastAPI
 
 from my_pkg import __version__, contract
-from my_pkg.engine import rpc
 from my_pkg.endpoints import AdminEndpointPlugin
-from my_pkg.endpoints.config import LOGGER_NAME
+from my_pkg.engine import rpc
 
 ENV_VARS = (
     "MY_PKG_ALLOW_ANONYMOUS_READS",

@@ -240,6 +240,7 @@ def test_the_grafana_dashboard_queries_only_series_the_plugin_exports():
     dashboard = json.loads((Path(__file__).resolve().parents[3] / "docs/grafana/my_pkg-dashboard.json").read_text())
     queried = {match for panel in dashboard["panels"] for target in panel["targets"]
                for match in re.findall(r"\bmy_pkg_[a-z_]+", target["expr"])}
-    exported = {sample.name for family in text_string_to_metric_families(render(_snapshot(n_probes=4, dense_batch_threshold=16)).decode())
+    text = render(_snapshot(n_probes=4, dense_batch_threshold=16)).decode()
+    exported = {sample.name for family in text_string_to_metric_families(text)
                 for sample in family.samples}
     assert queried and queried <= exported, queried - exported

@@ -100,7 +100,8 @@ def test_to_jsonable_handles_odd_values():
         RED = 1
 
     value = {"a": float("nan"), "b": {1, 2}, "c": Color.RED, "api_key": "k", "d": torch.float16, "e": (1, [2])}
-    assert to_jsonable(value) == {"a": "nan", "b": [1, 2], "c": 1, "api_key": REDACTED, "d": "torch.float16", "e": [1, [2]]}
+    assert to_jsonable(value) == {"a": "nan", "b": [1, 2], "c": 1, "api_key": REDACTED, "d": "torch.float16",
+                                  "e": [1, [2]]}
 
 
 @pytest.mark.parametrize("name", sorted(rpc.WORKER_METHODS))
