@@ -48,16 +48,20 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _timer(device: torch.device, fn, repeats: int, min_time: float) -> float:
-    """Median wall time (ms) of ``fn`` over ``repeats`` calls (more while under ``min_time`` s, at most 50)."""
+_CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def _timer(device: torch.device, fn, repeats: int, min_time: float, clock: str = "wall") -> float:
+    """Median time (ms, on ``clock``) of ``fn`` over ``repeats`` calls (more while under ``min_time`` s, at most 50)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    now = _CLOCK[clock]
     ts = []
     start = time.perf_counter()
     while len(ts) < repeats or (time.perf_counter() - start < min_time and len(ts) < 50):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
         sync()
-        ts.append((time.perf_counter() - t0) * 1e3)
+        ts.append((now() - t0) * 1e3)
     return statistics.median(ts)
 
 
@@ -81,7 +85,7 @@ def sampled_mask(kind: str, batch: int) -> np.ndarray:
 
 def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.device, dtype: torch.dtype,
                 n_probes: int | None, repeats: int, min_time: float, rounds: int, kinds: tuple[str, ...],
-                pinned: int, backend: str = "auto") -> dict:
+                pinned: int, backend: str = "auto", clock: str = "wall") -> dict:
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, hidden, generator=g, dtype=torch.float32).to(dtype).to(device)
     assign = random_balanced_assignment(vocab, 16)
@@ -106,9 +110,9 @@ def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.devic
         dense_runs: list[float] = []
         flash_runs: dict[str, list[float]] = {kind: [] for kind in steps}
         for _ in range(rounds):
-            dense_runs.append(_timer(device, dense_fn, repeats, min_time))
+            dense_runs.append(_timer(device, dense_fn, repeats, min_time, clock))
             for kind, fn in steps.items():
-                flash_runs[kind].append(_timer(device, fn, repeats, min_time))
+                flash_runs[kind].append(_timer(device, fn, repeats, min_time, clock))
         row = {"batch": b, "dense": statistics.median(dense_runs), "kinds": {}}
         for kind, runs in flash_runs.items():
             ratios = [d / f for d, f in zip(dense_runs, runs)]
@@ -121,7 +125,7 @@ def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.devic
     worst = min((v["ratio"], r["batch"], k) for r in rows for k, v in r["kinds"].items())
     crossover = next((r["batch"] for r in rows if any(v["ratio"] <= 1.0 for v in r["kinds"].values())), None)
     result = {"hidden": hidden, "vocab": vocab, "clusters": c, "probes": p, "rows": rows, "crossover": crossover,
-              "worst": worst, "backend": head.backend, "rounds": rounds, "pinned": pinned,
+              "worst": worst, "backend": head.backend, "rounds": rounds, "pinned": pinned, "clock": clock,
               "sampled_probes": head.sampled_n_probes, "rank": head.sampled_rank, "tables_s": tables_s,
               "extra_bytes": head.extra_memory_bytes,
               "rows_greedy": head.scored_rows_per_step(sampled=False, pinned=pinned),
@@ -136,7 +140,9 @@ def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, m
     out = [f"### FlashHead vs dense LM head, as served ({device.type}, {str(dtype).replace('torch.', '')})", "",
            f"Machine: {machine or machine_description()}", "",
            f"Command: `{command_line()}`", "",
-           "One decode step into the `[B, V]` logits vLLM's sampler gets (ms, median). Dense = `F.linear(hidden, "
+           "One decode step into the `[B, V]` logits vLLM's sampler gets (ms, median"
+           + ("; the thread's CPU time, one thread: time given to other processes is left out" if any(
+               r.get("clock") == "cpu" for r in results) else "") + "). Dense = `F.linear(hidden, "
            "W[:V])`; FlashHead = `FlashHead.step_logits` as serving calls it: greedy rows, sampled rows (exact "
            "candidates + tail estimate) or a mixed batch (every other row sampled), pinned ids scored on every row. "
            "Random heads with a random balanced assignment (the cost does not depend on cluster quality). "
@@ -184,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds per batch")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds spent per measurement at least")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: the thread's CPU time (CPU, --threads 1 only): steadier on a shared machine")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.repeats < 1:
@@ -193,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--kinds takes a subset of {','.join(KINDS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (args.threads != 1 or args.device == "cuda"):
+        ap.error("--clock cpu needs --threads 1 on the CPU (one thread's CPU time is the step's time)")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = getattr(torch, args.dtype) if args.dtype else _default_dtype(device)
@@ -205,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in vocab:
         for h in hidden:
             results.append(bench_shape(h, v, batches, device, dtype, args.n_probes, args.repeats, args.min_time,
-                                       args.rounds, kinds, args.pinned, args.backend))
+                                       args.rounds, kinds, args.pinned, args.backend, args.clock))
             r = results[-1]
             print(f"  -> crossover batch: {r['crossover'] if r['crossover'] is not None else 'none measured'}; "
                   f"lowest median speed-up {r['worst'][0]:.2f}x ({r['worst'][2]} at batch {r['worst'][1]})")

@@ -173,11 +173,32 @@ def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.
     return ids, _logits_blocked(hidden, weight, ids)
 
 
+def _tokens_grouped(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """:func:`_logits_sparse` of any token ids, with the pattern transposed to ``[V', B]`` (each head row read
+    once for the batch; the same values bit for bit).  The ``(row, token)`` pairs are sorted by token."""
+    b, n = ids.shape
+    device = hidden.device
+    keys, order = torch.sort((ids * b + torch.arange(b, device=device).view(b, 1)).reshape(-1))
+    rows = keys // b
+    crow = torch.zeros(weight.shape[0] + 1, dtype=torch.int64, device=device)
+    torch.cumsum(torch.bincount(rows, minlength=weight.shape[0]), 0, out=crow[1:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pattern = torch.sparse_csr_tensor(crow, keys - rows * b, torch.zeros(keys.numel(), dtype=weight.dtype,
+                                          device=device), size=(weight.shape[0], b), check_invariants=False)
+        values = torch.sparse.sampled_addmm(pattern, weight, hidden.t(), beta=0.0, alpha=1.0).values()
+    out = torch.empty(b * n, dtype=weight.dtype, device=device)
+    out[order] = values
+    return out.view(b, n)
+
+
 def token_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``[B, N]`` exact logits ``weight[ids[b, j]] . hidden[b]`` of any token ids (not a cluster's)."""
     hidden = hidden.to(weight.dtype)
     if hidden.device.type != "cpu":
         return _logits_gather(hidden, weight, ids)
     if ids.shape[1] <= weight.shape[0] and _sparse_supported(weight.dtype):
+        if ids.shape[0] >= _GROUPED_MIN_ROWS:
+            return _tokens_grouped(hidden.contiguous(), weight, ids)
         return _logits_sparse(hidden.contiguous(), weight, ids)
     return _logits_blocked(hidden, weight, ids)

@@ -111,3 +111,13 @@ def test_a_mixed_batch_in_one_pass_equals_its_greedy_and_sampled_parts():
     split = head.step_logits(hidden, sampled=mask, pinned=pinned)
     assert torch.equal(split[~mask], got[~mask])
     assert int(torch.isfinite(split[mask][:, :VOCAB]).sum()) == int(mask.sum()) * VOCAB
+
+
+@pytest.mark.parametrize("rows", [8, 33])
+def test_grouped_token_logits_equal_the_row_by_row_ones_bit_for_bit(rows):
+    weight = torch.randn(VOCAB + PAD, HIDDEN, generator=torch.Generator().manual_seed(2))
+    hidden = _hidden(rows, seed=4)
+    ids = torch.stack([torch.randperm(VOCAB, generator=torch.Generator().manual_seed(r))[:40] for r in range(rows)])
+    grouped = torch_ref.token_logits(hidden, weight, ids)
+    assert torch.equal(grouped, torch_ref._logits_sparse(hidden, weight, ids))
+    torch.testing.assert_close(grouped, torch.einsum("bnh,bh->bn", weight[ids], hidden), rtol=1e-5, atol=1e-5)
