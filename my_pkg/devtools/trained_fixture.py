@@ -14,13 +14,20 @@ Steps of :func:`build_trained_fixture`:
 3. Train a byte-level BPE tokenizer (``tokenizers``) on the training documents, with the special tokens
    ``[PAD]``, ``[UNK]``, ``[BOS]``, ``[EOS]``. Every document ends with ``[EOS]``, so EOS is a real target.
 4. Train a ``transformers`` ``LlamaForCausalLM`` from scratch on CPU on packed sequences of the training
-   stream (AdamW, linear warm-up then cosine decay), time-boxed.
+   stream (AdamW, linear warm-up then cosine decay), for exactly ``--steps`` steps (reproducible on the same
+   versions and thread count) or time-boxed.
 5. Capture the final hidden states (after the last norm: the LM head's input) at every position of the
-   calibration and held-out streams, keep a deterministic subsample, and record the true next token.
-6. Write ``head.safetensors``, ``calibration.safetensors``, ``heldout.safetensors``, ``tokenizer.json`` and
-   ``meta.json`` (see :func:`write_fixture`).
+   calibration and held-out streams of two sources -- the docstrings and standard-library code, which the
+   model never trained on (:func:`collect_code_documents`) -- keep a deterministic subsample, and record the
+   true next token; and the states of the model's own samples, made exactly as a default
+   ``my-pkg flashhead build`` self-calibrates (``generate_calibration_states``).
+6. Write ``head.safetensors``, the state files of :data:`STATE_FILES`, ``generated.safetensors``,
+   ``tokenizer.json`` and ``meta.json`` (see :func:`write_fixture`).
 
-Run as ``python -m my_pkg.devtools.trained_fixture --out DIR [--minutes M] [--seed S] [--save-model DIR2]``.
+Run as ``python -m my_pkg.devtools.trained_fixture --out DIR [--steps N | --minutes M] [--seed S]
+[--save-model DIR2] [--from-model DIR2]``; ``--from-model`` skips steps 3-4 and re-captures from a model saved
+with ``--save-model``. Run it on one thread (it sets ``torch.set_num_threads(1)``), with ``nice`` on a shared
+machine.
 ``transformers`` and ``tokenizers`` are imported inside functions: the module ships in the wheel, where
 they may be missing; :func:`load_trained_fixture` needs only torch and safetensors.
 """
@@ -127,7 +134,8 @@ class TrainedFixture:
     ``weight``: ``[V, H]`` LM head (tied with the input embeddings); ``calibration`` / ``heldout``:
     ``[N, H]`` final hidden states of docstrings; ``code_calibration`` / ``code_heldout``: the same for
     standard-library code (the second source); ``*_next``: ``[N]`` int64 true next token of each state;
-    ``generated``: states of the model's own samples (what a default build self-calibrates on); ``special_ids``: name -> id of the special tokens; ``meta``: ``meta.json``.
+    ``generated``: states of the model's own samples (what a default build self-calibrates on);
+    ``special_ids``: name -> id of the special tokens; ``meta``: ``meta.json``.
     """
 
     weight: torch.Tensor
@@ -278,7 +286,8 @@ def _code_chunks(source: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
                 drop.update(range(first.lineno - 1, first.end_lineno))
     chunks: list[str] = []
     group: list[str] = []

@@ -579,7 +579,8 @@ def generate_calibration_states(model, tokenizer, *, max_states: int = 16384, ne
         hs = torch.stack(last[: generated.shape[1]], dim=1)  # [B, T, H]
         if norm is not None:
             hs = norm(hs)
-        is_eos = torch.isin(generated, eos_tensor) if eos_tensor.numel() else torch.zeros_like(generated, dtype=torch.bool)
+        is_eos = (torch.isin(generated, eos_tensor) if eos_tensor.numel()
+                  else torch.zeros_like(generated, dtype=torch.bool))
         before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before this position
         keep = hs[before == 0].float().cpu()[: max_states - count]
         states.append(keep)

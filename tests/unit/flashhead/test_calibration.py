@@ -286,6 +286,27 @@ def test_trained_lm_builder_choice_of_n_probes_holds_on_shifted_text(trained, bu
         assert unseen >= 0.995, (build, source, cal.n_probes, unseen)
 
 
+def test_trained_lm_default_build_sampled_rows_on_shifted_text(trained):
+    """Sampled rows of the default (self-calibrated) build at the default sampled-row settings, on both sources
+    (mean / p90 / max TV in vLLM's sampler semantics, as ``eval --json`` reports them): the issue's target
+    TV <= 0.01 at T=0.7/top_p=0.9 holds.  At T=1 its target 0.02 holds on the docstrings but not quite on the
+    code (about 0.021; docs/flashhead.md), so T=1 is guarded at 0.025 here, not certified."""
+    from my_pkg.flashhead.evaluate import serving_fidelity
+
+    fx, res, pinned, builds = trained
+    cal = builds["self"]
+    head = FlashHead(fx.weight, cal.centroids, res.assignments, n_probes=cal.n_probes)
+    for source in SOURCES:
+        (result,) = serving_fidelity(head, fx.source(source)[1][:2048], [cal.n_probes], pinned=pinned)
+        by_setting = {(x.temperature, x.top_p): x for x in result.sampling}
+        warm, hot = by_setting[0.7, 0.9], by_setting[1.0, 1.0]
+        assert warm.tv_distance <= 0.01, (source, warm)
+        assert hot.tv_distance <= (0.02 if source == "docstrings" else 0.025), (source, hot)
+        for x in (warm, hot):
+            assert 0 < x.tv_p90 <= x.tv_max <= 0.2, (source, x)
+        assert result.top1_agreement >= 0.995
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 
 transformers = pytest.importorskip("transformers")

@@ -137,7 +137,8 @@ def test_eos_is_a_real_target_and_the_dense_argmax_on_some_rows(fixture):
 def test_meta_records_how_it_was_made(fixture):
     meta = fixture.meta
     assert meta["command"].startswith("python -m my_pkg.devtools.trained_fixture")
-    assert meta["training_command"].startswith("python -m my_pkg.devtools.trained_fixture") and "--steps" in meta["training_command"]
+    assert meta["training_command"].startswith("python -m my_pkg.devtools.trained_fixture")
+    assert "--steps" in meta["training_command"]
     assert meta["steps"] > 0 and meta["tokens_trained_on"] > 0
     assert meta["model_config"]["tie_word_embeddings"] is True
     assert meta["model_config"]["eos_token_id"] == fixture.eos_id
