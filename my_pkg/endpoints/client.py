@@ -23,7 +23,7 @@ two model steps):
   was asked for. A commit by this API server marks the snapshot stale at once;
   a commit by a sibling API server on the same node (`vllm serve` runs one per
   DP rank, or `--api-server-count`) is seen through the node's update marker
-  (:class:`UpdateMarker`, one `stat` per read), so a read after a `PUT` sees
+  (:class:`UpdateMarker`, one small file read per read), so a read after a `PUT` sees
   the new settings from whichever API server answers it. A stale snapshot is
   kept for vLLM's `/metrics` (which never waits) until the next one arrives.
 
@@ -129,27 +129,30 @@ def worker_ids(replies: Iterable[BaseModel]) -> frozenset[tuple[int, int, int | 
 
 
 class UpdateMarker:
-    """A file per node and port whose modification time is that of the last update any API server committed.
+    """A file per node and port holding when (`time.time_ns()`) any API server last committed an update.
 
-    The API servers of one `vllm serve` share the port (and the engines), not memory; a `stat` is what a
-    read costs to learn that a sibling committed an update after its snapshot was taken.
+    The API servers of one `vllm serve` share the port (and the engines), not memory; reading this small
+    file is what a read costs to learn that a sibling committed an update after its snapshot was asked
+    for. The time is written into the file (file times come from a coarse clock) and replaced atomically.
     """
 
     def __init__(self, key: str) -> None:
         self.path = os.path.join(tempfile.gettempdir(), f"my_pkg-admin-{os.getuid()}-{key}.updated")
 
     def touch(self) -> None:
+        temporary = f"{self.path}.{os.getpid()}"
         try:
-            with open(self.path, "a"):
-                pass
-            os.utime(self.path, None)
+            with open(temporary, "w") as out:
+                out.write(str(time.time_ns()))
+            os.replace(temporary, self.path)
         except OSError as exc:  # a read-only tmp costs siblings only the max age
-            logger.debug("Could not touch the update marker %s: %s", self.path, exc)
+            logger.debug("Could not write the update marker %s: %s", self.path, exc)
 
     def changed_since(self, wall_ns: int) -> bool:
         try:
-            return os.stat(self.path).st_mtime_ns >= wall_ns
-        except OSError:
+            with open(self.path) as marker:
+                return int(marker.read() or 0) >= wall_ns
+        except (OSError, ValueError):
             return False
 
 

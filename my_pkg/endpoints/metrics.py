@@ -65,6 +65,8 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
     seconds = counter("head_seconds", "Seconds spent in the LM head.")
     fidelity_rows = counter("fidelity_rows", "FlashHead rows also checked against the dense head (live fidelity).")
     fidelity_agreed = counter("fidelity_agreed", "Checked rows whose FlashHead best token is a dense argmax.")
+    rows_verify = counter("rows_verify", "Speculative-decoding verify rows served by FlashHead (of path=flashhead).")
+    rows_verify_pinned = counter("rows_verify_pinned", "Sampled verify rows whose draft token was scored exactly.")
     available = gauge("available", "1 when the model has FlashHead assets and nothing rules FlashHead out.")
     enabled = gauge("enabled", "1 when FlashHead is enabled.")
     active = gauge("active", "1 when FlashHead is in use now.")
@@ -88,6 +90,8 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         seconds.add_metric(labels, counters.head_seconds)
         fidelity_rows.add_metric(labels, counters.fidelity_rows)
         fidelity_agreed.add_metric(labels, counters.fidelity_agreed)
+        rows_verify.add_metric(labels, counters.rows_flashhead_verify)
+        rows_verify_pinned.add_metric(labels, counters.rows_flashhead_verify_pinned)
         available.add_metric(labels, state.available)
         enabled.add_metric(labels, state.enabled)
         active.add_metric(labels, state.active)
@@ -97,8 +101,8 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
             threshold.add_metric(labels, state.dense_batch_threshold)
     if snapshot is not None:
         age.add_metric([], snapshot.age())
-    return [steps, rows, fallbacks, seconds, fidelity_rows, fidelity_agreed, available, enabled, active, n_probes,
-            threshold, age]
+    return [steps, rows, fallbacks, seconds, fidelity_rows, fidelity_agreed, rows_verify, rows_verify_pinned,
+            available, enabled, active, n_probes, threshold, age]
 
 
 def render(snapshot: StatusSnapshot) -> bytes:
@@ -168,9 +172,12 @@ class MultiprocessMirror:
     """
 
     def __init__(self) -> None:
-        from prometheus_client.values import MultiProcessValue
+        from prometheus_client import values
 
-        self._value_class = MultiProcessValue()
+        # The process's own value class when it is the multiprocess one: one writer per file (a second
+        # factory would map this process's files a second time, and two writers corrupt them).
+        shared = values.ValueClass
+        self._value_class = shared if getattr(shared, "_multiprocess", False) else values.MultiProcessValue()
         self._values: dict[tuple[str, str, tuple[str, ...], tuple[str, ...]], object] = {}
 
     def write(self, snapshot: StatusSnapshot) -> None:

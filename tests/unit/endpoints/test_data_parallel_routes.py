@@ -71,3 +71,38 @@ async def test_an_update_one_engine_rejects_lands_nowhere(dp_client, assert_erro
     assert [(e["dp_rank"], e["rank"]) for e in err["errors"]] == [(1, 0)]
     assert [fh["n_probes"] for e in engine.engines for fh in e.fh] == [4, 4, 4, 4]
     assert all("my_pkg_flashhead_apply" not in e.methods for e in engine.engines)
+
+
+async def test_hybrid_lb_labels_with_the_real_ranks_and_says_other_nodes_were_not_touched(
+        monkeypatch, fake_engine_cls, make_app, client_for):
+    """Node 2 of a hybrid/external-LB deployment: its API server manages engines 2 and 3 only."""
+    monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
+    engine = FakeDPEngineClient(fake_engine_cls)
+    engine.engine_core.engine_ranks_managed = [2, 3]
+    engine.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(local_engines_only=True))
+    app = await make_app(engine)
+    async with client_for(app, token=TOKEN) as c:
+        statuses = (await c.get("/plugins/my_pkg/flashhead")).json()["workers"]
+        assert [s["dp_rank"] for s in statuses] == [2, 2, 3, 3]
+        metrics = (await c.get("/plugins/my_pkg/metrics")).text
+        assert 'dp_rank="3"' in metrics and 'dp_rank="0"' not in metrics
+        answer = (await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 5})).json()
+    assert answer["engines"] == [2, 3] and answer["other_nodes_untouched"] is True
+    assert [w["dp_rank"] for w in answer["workers"]] == [2, 2, 3, 3]
+
+
+async def test_engines_are_prepared_in_ascending_rank_before_any_commit(dp_client):
+    c, engine = dp_client
+    order = []
+    for dp, fake in enumerate(engine.engines):
+        real = fake.collective_rpc
+
+        async def recording(method, timeout=None, args=(), kwargs=None, _dp=dp, _real=real):
+            order.append((method, _dp))
+            return await _real(method, timeout=timeout, args=args, kwargs=kwargs)
+
+        fake.collective_rpc = recording
+    assert (await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 7})).status_code == 200
+    updates = [o for o in order if o[0] != "my_pkg_status"]
+    assert updates == [("my_pkg_flashhead_prepare", 0), ("my_pkg_flashhead_prepare", 1),
+                       ("my_pkg_flashhead_commit", 0), ("my_pkg_flashhead_commit", 1)]
