@@ -155,12 +155,45 @@ REASON_CODES: Final[dict[str, str]] = {
     "quantized_head": "the LM head is quantized",
     "warm_up_failed": "the head failed its warm-up step",
     "pipeline_parallel": "pipeline parallel size > 1",
-    "speculative_decoding": "speculative decoding is on (draft and verify rows need dense logits)",
+    "speculative_decoding": "no longer reported: under speculative decoding, `spec` gives each part's own code",
     "lora": "LoRA is on (adapters change the logits)",
     "head_dtype": "`head_dtype` differs from the model's dtype",
     "runner_hook_failed": "vLLM's model runner could not be hooked (a vLLM internal moved)",
     "logits_processor_taken": "another plugin replaced vLLM's `LogitsProcessor` first",
 }
+
+
+#: `SpecPart.reason_code`: why FlashHead does not serve one part of speculative decoding (null when it does).
+SpecReasonCode = Literal[
+    "flashhead_inactive", "model_runner_v2", "spec_hook_failed", "no_draft_head", "draft_head_not_supported",
+]
+#: One line per `SpecReasonCode`, in its order (docs/flashhead-serving.md's table is generated from it).
+SPEC_REASON_CODES: Final[dict[str, str]] = {
+    "flashhead_inactive": "FlashHead is not active on this model (see `reason_code`)",
+    "model_runner_v2": "Model Runner V2 verify rows are not served by FlashHead in this version",
+    "spec_hook_failed": "vLLM's speculative-decoding metadata could not be hooked (a vLLM internal moved)",
+    "no_draft_head": "the drafter has no LM head (n-gram, suffix decoding)",
+    "draft_head_not_supported": "FlashHead as the drafter's head is not implemented in this version",
+}
+
+
+class SpecPart(WorkerReply):
+    """One part of speculative decoding (the target's verify rows, or the drafter's head)."""
+
+    active: bool
+    reason: str | None = None
+    reason_code: SpecReasonCode | None = None
+
+
+class SpecState(WorkerReply):
+    """FlashHead under speculative decoding; `FlashHeadState.spec` (null without speculative decoding)."""
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    pin_drafts: bool = Field(
+        default=False, description="Sampled verify rows score their draft token exactly (greedy or n-gram drafts).")
+    verify: SpecPart
+    draft: SpecPart
 
 
 class DenseReason(IntEnum):
@@ -186,12 +219,13 @@ class DenseReason(IntEnum):
 
 #: Why a whole step (or a wrapper's call) is served dense, whatever its requests asked for.
 StepDenseReason = Literal["batch_threshold", "disabled", "unavailable", "error", "unexpected_rows", "lora",
-                          "wrapped_head"]
+                          "wrapped_head", "speculative_verify"]
 #: Every key of `FlashHeadCounters.rows_dense`: the requests' `DenseReason` labels, then the steps'.
 DenseRowReason = Literal[
     "logprobs", "structured_output", "logit_bias", "allowed_token_ids", "bad_words", "custom_logits_processors",
     "unclassified", "thinking_budget", "watermark", "opt_out", "penalized_greedy",
     "batch_threshold", "disabled", "unavailable", "error", "unexpected_rows", "lora", "wrapped_head",
+    "speculative_verify",
 ]
 #: One line per `DenseRowReason`, in its order (docs/flashhead-serving.md's table is generated from it).
 DENSE_ROW_REASONS: Final[dict[str, str]] = {
@@ -213,6 +247,7 @@ DENSE_ROW_REASONS: Final[dict[str, str]] = {
     "unexpected_rows": "the logits call had another number of rows than the step announced",
     "lora": "vLLM's LoRA wrapper received the step",
     "wrapped_head": "another layer wrapping the logits processor received the step",
+    "speculative_verify": "a speculative-decoding step whose verify rows FlashHead does not serve (see `spec.verify`)",
 }
 
 
@@ -228,6 +263,10 @@ class FlashHeadCounters(WorkerReply):
     head_seconds: float = 0.0
     fidelity_rows: int = 0
     fidelity_agreed: int = 0
+    rows_flashhead_verify: int = Field(
+        default=0, description="Of `rows_flashhead`: speculative-decoding verify rows (bonus rows not included).")
+    rows_flashhead_verify_pinned: int = Field(
+        default=0, description="Of `rows_flashhead_verify`: sampled verify rows whose draft token was scored exactly.")
 
 
 class FlashHeadState(WorkerReply):
@@ -251,6 +290,7 @@ class FlashHeadState(WorkerReply):
     backend: str | None = None
     extra_memory_bytes: int | None = None
     counters: FlashHeadCounters = Field(default_factory=FlashHeadCounters)
+    spec: SpecState | None = Field(default=None, description="Speculative decoding's parts; null when it is off.")
 
 
 class FlashHeadStatus(FlashHeadState, RankedReply):
@@ -432,7 +472,8 @@ def update_errors(update: Any) -> list[str]:
 __all__ = [
     "AUDIT", "FLASHHEAD_ABORT", "FLASHHEAD_COMMIT", "FLASHHEAD_PREPARE", "MAX_UPDATE_INT",
     "AuditEntry", "AuditReply", "CommitReply", "LeaseReply", "PrepareReply", "SettingsValues", "Transaction",
-    "DENSE_ROW_REASONS", "REASON_CODES", "DenseReason", "DenseRowReason", "ReasonCode", "StepDenseReason",
+    "DENSE_ROW_REASONS", "REASON_CODES", "SPEC_REASON_CODES", "DenseReason", "DenseRowReason", "ReasonCode",
+    "SpecPart", "SpecReasonCode", "SpecState", "StepDenseReason",
     "CONFIG", "CONFIG_SECTIONS", "FLASHHEAD_APPLY", "FLASHHEAD_STATUS", "FLASHHEAD_VALIDATE", "PING",
     "RPC_PREFIX", "STATUS", "UPDATE_FIELDS", "WORKER_INFO", "WORKER_METHOD_NAMES",
     "FlashHeadCounters", "FlashHeadState", "FlashHeadStatus", "FlashHeadUpdate", "KVCacheInfo", "MemoryInfo",

@@ -190,6 +190,22 @@ def _symbols() -> tuple[VllmSymbol, ...]:
         s("vllm.config", "ModelConfig.enable_sleep_mode", "attribute", hooks),
         s("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "class", mr, subclass_of=f"{runner}:GPUModelRunner"),
         s("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", "method", mr, params=("self",)),
+        # Speculative decoding (V1): the step's draft counts and metadata, and what tells a drafter apart.
+        s(
+            runner,
+            "GPUModelRunner._calc_spec_decode_metadata",
+            "method",
+            mr,
+            params=("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
+        ),
+        s(runner, "GPUModelRunner.speculative_config", "attribute", mr),
+        s("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata.draft_token_ids", "attribute", mr),
+        *(
+            s("vllm.config", f"SpeculativeConfig.{name}", "attribute", "engine/flashhead/spec.py, " + mr)
+            for name in ("method", "num_speculative_tokens", "draft_sample_method")
+        ),
+        s("vllm.compilation.backends", "", "module", lp),
+        s("vllm.compilation.backends", "model_tag", "attribute", lp),
         # patches/runner_hooks.py: the head built right after the weights load, over the model's LM head.
         s(vocab, "VocabParallelEmbedding", "class", hooks),
         s(vocab, "ParallelLMHead", "class", hooks, subclass_of=f"{vocab}:VocabParallelEmbedding"),

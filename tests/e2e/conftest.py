@@ -10,6 +10,7 @@ variant is converted by this package's own builder CLI.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from e2e_support import (
     DEFAULT_PROBES,
     LORA_NAME,
     MODEL_SPEC,
+    NGRAM_SPEC,
     READ_TOKEN,
     RPC_TIMEOUT,
 )
@@ -134,6 +136,15 @@ def lora_plain_server(base_model: Path, lora_adapter: Path, logs_dir: Path) -> I
 def lora_flashhead_server(flashhead_model: Path, lora_adapter: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """The FlashHead model: same weights as the plain one, plus FlashHead assets."""
     with _lora_server(flashhead_model, lora_adapter, logs_dir, "lora-flashhead") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def ngram_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """The FlashHead model with n-gram speculative decoding (`NGRAM_SPEC`), both halves."""
+    with _server(flashhead_model, logs_dir, "ngram",
+                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
+                 ["--speculative-config", json.dumps(NGRAM_SPEC)]) as server:
         yield server
 
 

@@ -18,6 +18,8 @@ MODEL_SPEC = TinyLlamaSpec(vocab_size=4096, hidden_size=128, num_hidden_layers=2
 CLUSTER_SIZE = 16
 NUM_CLUSTERS = MODEL_SPEC.vocab_size // CLUSTER_SIZE
 DEFAULT_PROBES = 32
+#: The n-gram speculative decoding the speculative-serving tests run.
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
 
 def auth(token: str = API_KEY) -> dict[str, str]:

@@ -33,9 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from my_pkg.contract import DenseReason, FlashHeadState, FlashHeadUpdate, ReasonCode
+from my_pkg.contract import DenseReason, FlashHeadState, FlashHeadUpdate, ReasonCode, SpecState
 from my_pkg.engine.flashhead.pins import PinnedRows
 from my_pkg.engine.flashhead.rows import StepRows
+from my_pkg.engine.flashhead.spec import effective as effective_spec
 from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer
 from my_pkg.flashhead.settings import default_settings
 from my_pkg.flashhead.staging import index_tensor
@@ -73,6 +74,7 @@ class FlashHeadController:
         self._warned: set[str] = set()
         self.head: Any = None
         self.vocab_range: tuple[int, int] | None = None  # this rank's vocabulary shard under tensor parallelism
+        self.spec: SpecState | None = None  # speculative decoding's parts (`flashhead/spec.py`), set by its maker
         self._centroids = centroids
         self._assignments = assignments
         self.unavailable_code: ReasonCode | None = None
@@ -262,6 +264,8 @@ class FlashHeadController:
         """
         num_rows = hidden.shape[0]
         self.counters.steps += 1
+        if rows.all_dense is not None:
+            return self._all_dense(hidden, dense, rows.all_dense)
         if rows.num_rows != num_rows:
             return self._all_dense(hidden, dense, "unexpected_rows")
         if not self.settings.enabled:
@@ -280,7 +284,7 @@ class FlashHeadController:
             return dense(hidden)
 
         token = self._timer.start(hidden.device)
-        flash_hidden, sampled, flash_index = hidden, rows.sampled, None
+        flash_hidden, sampled, flash_index, flash_rows = hidden, rows.sampled, None, None
         if dense_rows.size:  # score candidates only for the rows FlashHead serves
             flash_rows = np.flatnonzero(rows.dense_codes == 0)
             flash_index = index_tensor(flash_rows, hidden.device)
@@ -294,6 +298,8 @@ class FlashHeadController:
         )
         assert self._pins is not None
         self._pins.score(flash_logits, flash_hidden, self._pins.get(rows.stop_ids, self.head.weight), postprocess)
+        if rows.verify_rows is not None:
+            self._score_drafts(flash_logits, flash_hidden, rows, flash_rows, postprocess)
         if flash_index is None:
             logits = flash_logits
         else:
@@ -307,6 +313,42 @@ class FlashHeadController:
             logits[index] = dense(hidden.index_select(0, index)).to(logits.dtype)
         self.counters.rows_flashhead += num_rows - int(dense_rows.size)
         return logits
+
+    def _score_drafts(
+        self,
+        logits: torch.Tensor,
+        flash_hidden: torch.Tensor,
+        rows: StepRows,
+        flash_rows: np.ndarray | None,
+        postprocess: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Speculative decoding: count the verify rows FlashHead serves, and write into `logits` (the
+        FlashHead rows, in place) the exact logit of each sampled verify row's draft token, so that vLLM's
+        rejection sampler accepts it with its exact probability up to normalisation. Greedy verify rows
+        are left as they are: their argmax is FlashHead's, as without speculation. Host indices only;
+        the draft ids stay on the device."""
+        verify = rows.verify_rows
+        assert verify is not None and self.head is not None
+        served = rows.dense_codes[verify] == 0
+        self.counters.rows_flashhead_verify += int(served.sum())
+        if rows.draft_ids is None:
+            return
+        drafts = np.flatnonzero(served & rows.sampled[verify])
+        if not drafts.size:
+            return
+        device = flash_hidden.device
+        positions = verify[drafts] if flash_rows is None else np.searchsorted(flash_rows, verify[drafts])
+        index = index_tensor(positions, device)
+        ids = rows.draft_ids.to(device=device, dtype=torch.long, non_blocking=True)
+        ids = ids.index_select(0, index_tensor(drafts, device))
+        start, end = self.vocab_range if self.vocab_range is not None else (0, self.head.vocab_size)
+        local = ids - start
+        inside = (local >= 0) & (local < end - start)  # under tensor parallelism: this rank's shard only
+        local = local.clamp(0, end - start - 1)
+        weight = self.head.weight.index_select(0, local)
+        exact = postprocess((flash_hidden.index_select(0, index).float() * weight.float()).sum(-1)).to(logits.dtype)
+        logits.index_put_((index, local), torch.where(inside, exact, logits[index, local]))
+        self.counters.rows_flashhead_verify_pinned += int(drafts.size)
 
     def _all_dense(
         self, hidden: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor], reason: str
@@ -365,6 +407,7 @@ class FlashHeadController:
             backend=head.backend if head is not None else None,
             extra_memory_bytes=self.extra_memory_bytes,
             counters=self.counters.snapshot(),
+            spec=effective_spec(self.spec, active),
         )
 
     def _sampled_rank(self, hidden_size: int) -> int:
@@ -437,4 +480,5 @@ def status_without_controller(code: ReasonCode = "no_assets", reason: str = NO_A
         backend=None,
         extra_memory_bytes=None,
         counters=Counters().snapshot(),
+        spec=None,
     )

@@ -30,6 +30,8 @@ class Counters:
     head_seconds: float = 0.0
     fidelity_rows: int = 0
     fidelity_agreed: int = 0
+    rows_flashhead_verify: int = 0  # of rows_flashhead: speculative decoding's verify rows
+    rows_flashhead_verify_pinned: int = 0  # of those: sampled rows whose draft token was scored exactly
 
     def snapshot(self) -> FlashHeadCounters:
         return FlashHeadCounters(
@@ -40,6 +42,8 @@ class Counters:
             head_seconds=round(self.head_seconds, 6),
             fidelity_rows=self.fidelity_rows,
             fidelity_agreed=self.fidelity_agreed,
+            rows_flashhead_verify=self.rows_flashhead_verify,
+            rows_flashhead_verify_pinned=self.rows_flashhead_verify_pinned,
         )
 
 

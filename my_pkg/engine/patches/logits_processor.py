@@ -54,10 +54,6 @@ def _unsupported_reason(vllm_config: Any) -> tuple[str, str] | None:
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         return "pipeline_parallel", "pipeline parallel size > 1 is not supported; dense head in use"
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        return "speculative_decoding", (
-            "speculative decoding is enabled (draft/verify rows need dense logits); dense head in use"
-        )
     if getattr(vllm_config, "lora_config", None) is not None:
         return "lora", ("LoRA is enabled (adapters change the logits, which FlashHead cannot see); dense head in use")
     model_config = vllm_config.model_config
@@ -85,13 +81,44 @@ def _make_controller(org_vocab_size: int) -> Any:
     from my_pkg.engine.flashhead.controller import FlashHeadController
     from my_pkg.engine.patches import runner_hook_failure
 
+    if _building_drafter():
+        return None  # a drafter's own logits processor: the drafter's head stays dense (`spec.draft`)
     unsupported = _unsupported_reason(vllm_config) or runner_hook_failure(vllm_config)
-    return FlashHeadController.from_model_dir(
+    controller = FlashHeadController.from_model_dir(
         _resolve_model_dir(model_config),
         config,
         vocab_size=org_vocab_size,
         unavailable=unsupported,
         pinned_ids=tokenizer_stop_and_special_ids(model_config) if unsupported is None else (),
+    )
+    controller.spec = _spec_state(vllm_config)
+    return controller
+
+
+#: `vllm.compilation.backends.model_tag` while vLLM builds a speculative drafter.
+_DRAFTER_TAGS = ("eagle_head", "draft_model", "medusa_head", "extract_hidden_states")
+
+
+def _building_drafter() -> bool:
+    """Whether the model being built is a speculative drafter (EAGLE/MTP head, draft model): vLLM tags
+    the target "backbone" while it builds it, and a drafter by its role."""
+    try:
+        import vllm.compilation.backends as backends
+
+        return getattr(backends, "model_tag", "backbone") in _DRAFTER_TAGS
+    except Exception:  # noqa: BLE001 - an older vLLM: treat it as the target
+        return False
+
+
+def _spec_state(vllm_config: Any) -> Any:
+    """Speculative decoding's parts for this configuration (None without it)."""
+    from my_pkg.engine.flashhead.spec import spec_state
+    from my_pkg.engine.patches.model_runner import spec_hook_error
+
+    return spec_state(
+        getattr(vllm_config, "speculative_config", None),
+        v2=bool(getattr(vllm_config, "use_v2_model_runner", False)),
+        hook_error=spec_hook_error(),
     )
 
 

@@ -11,6 +11,13 @@ Installed with every FlashHead hook (`patches.on_flashhead_model`). Hooks vLLM's
   finds it disarmed and stays dense.
 - `load_model` (`GPUModelRunner`'s and `CPUModelRunner`'s own) builds the head right after the
   weights load (`runner_hooks.prepare_after_load`).
+- Speculative decoding: `GPUModelRunner._calc_spec_decode_metadata` is wrapped to keep, for the
+  step, its host `num_draft_tokens` and the `SpecDecodeMetadata` it returns. A request with `n`
+  drafts has `n + 1` consecutive logits rows (`n` verify rows, then the bonus row), so the step's
+  rows are the requests' codes repeated (`spec_step_rows`); each verify row's draft token is
+  `SpecDecodeMetadata.draft_token_ids` (on the device; never read on the host). When the wrapper
+  cannot be installed, speculative steps are served dense (`speculative_verify`), the rest of the
+  hooks stay.
 """
 
 from __future__ import annotations
@@ -36,6 +43,21 @@ TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner, vllm.v1.worker.gpu_inp
 _DENSE_TABLE = "_my_pkg_dense_requests"
 _STOP_TABLE = "_my_pkg_stop_token_ids"
 _BUILTIN_LOGITS_PROCESSORS = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
+#: Where the step's `(num_draft_tokens, SpecDecodeMetadata)` is kept on the runner, cleared every step.
+_SPEC_STASH = "_my_pkg_spec_step"
+_spec_hook_error: str | None = "not installed"
+
+
+def spec_hook_error() -> str | None:
+    """Why `_calc_spec_decode_metadata` is not hooked in this process; None when it is."""
+    return _spec_hook_error
+
+
+def pins_drafts(speculative_config: Any) -> bool:
+    """Whether sampled verify rows score their draft token exactly: only when vLLM verifies them without
+    draft probabilities (n-gram and other model-free drafts, and model drafts sampled greedily, vLLM's
+    default). With draft probabilities, pinning would make the target law depend on the random draft."""
+    return getattr(speculative_config, "draft_sample_method", "greedy") != "probabilistic"
 
 
 def _has_custom_logits_processors(input_batch: Any) -> bool:
@@ -63,6 +85,45 @@ def step_rows(input_batch: Any) -> StepRows:
     return StepRows(dense_codes=codes, sampled=sampled, stop_ids=union_stop_ids(in_step))
 
 
+def spec_step_rows(per_request: StepRows, num_draft_tokens: Any, draft_ids: Any) -> StepRows:
+    """The rows of a speculative-decoding step from its requests' rows (`step_rows`): request `i` with
+    `n_i` drafts has `n_i + 1` consecutive rows, its verify rows then its bonus row, in batch order
+    (as `_calc_spec_decode_metadata` lays them out). `draft_ids` (device, one per verify row) or None
+    (nothing pinned). Host numpy only: the device is never waited for."""
+    num_reqs = per_request.num_rows
+    n = np.asarray(num_draft_tokens, dtype=np.int64)
+    if n.shape != (num_reqs,) or (n < 0).any():
+        return StepRows(per_request.dense_codes, per_request.sampled, per_request.stop_ids, all_dense="unexpected_rows")
+    rows_per_request = n + 1
+    first_row = np.cumsum(rows_per_request) - rows_per_request
+    first_draft = np.cumsum(n) - n
+    total = int(n.sum())
+    verify_rows = np.repeat(first_row, n) + (np.arange(total, dtype=np.int64) - np.repeat(first_draft, n))
+    return StepRows(
+        dense_codes=np.repeat(per_request.dense_codes, rows_per_request),
+        sampled=np.repeat(per_request.sampled, rows_per_request),
+        stop_ids=per_request.stop_ids,
+        verify_rows=verify_rows,
+        draft_ids=draft_ids if total else None,
+    )
+
+
+def runner_step_rows(runner: Any) -> StepRows:
+    """The rows of the runner's current step: one per request, or the speculative-decoding layout."""
+    rows = step_rows(runner.input_batch)
+    speculative_config = getattr(runner, "speculative_config", None)
+    if speculative_config is None:
+        return rows
+    if _spec_hook_error is not None:
+        return StepRows(rows.dense_codes, rows.sampled, rows.stop_ids, all_dense="speculative_verify")
+    stash = runner.__dict__.get(_SPEC_STASH)
+    if stash is None:  # no metadata this step: one row per request, checked against the logits call
+        return rows
+    num_draft_tokens, metadata = stash
+    draft_ids = getattr(metadata, "draft_token_ids", None) if pins_drafts(speculative_config) else None
+    return spec_step_rows(rows, num_draft_tokens[: rows.num_rows], draft_ids)
+
+
 def _track(input_batch: Any, request: Any) -> None:
     """Record why `request` needs dense rows, if it does, and the ids vLLM stops it on."""
     code, stop_ids = classify(getattr(request, "sampling_params", None))
@@ -76,6 +137,32 @@ def _track(input_batch: Any, request: Any) -> None:
         stops[request.req_id] = stop_ids
     else:
         stops.pop(request.req_id, None)
+
+
+def _hook_spec_metadata(runner_class: type) -> None:
+    """Wrap `_calc_spec_decode_metadata` to keep its host inputs and its result for the step; a vLLM
+    without it leaves speculative steps dense (`speculative_verify`) and the other hooks installed."""
+    global _spec_hook_error
+    original = getattr(runner_class, "_calc_spec_decode_metadata", None)
+    if not callable(original):
+        _spec_hook_error = f"{runner_class.__qualname__}._calc_spec_decode_metadata is missing"
+        return
+    if getattr(original, WRAPPED, False):
+        _spec_hook_error = None
+        return
+
+    @functools.wraps(original)
+    def calc_spec_decode_metadata(self, num_draft_tokens, *args, **kwargs):
+        result = original(self, num_draft_tokens, *args, **kwargs)
+        try:
+            self.__dict__[_SPEC_STASH] = (np.array(num_draft_tokens, dtype=np.int64), result)
+        except Exception as exc:  # noqa: BLE001 - the step finds no stash and is checked by its row count
+            warn_once("_calc_spec_decode_metadata", exc)
+        return result
+
+    setattr(calc_spec_decode_metadata, WRAPPED, True)
+    runner_class._calc_spec_decode_metadata = calc_spec_decode_metadata
+    _spec_hook_error = None
 
 
 def apply() -> None:
@@ -96,6 +183,7 @@ def apply() -> None:
         if runner_class is not None:
             hook_load_model(runner_class)
 
+    _hook_spec_metadata(GPUModelRunner)
     original_add = InputBatch.add_request
     original_remove = InputBatch.remove_request
     original_execute = GPUModelRunner.execute_model
@@ -123,12 +211,11 @@ def apply() -> None:
     @functools.wraps(original_execute)
     def execute_model(self, *args, **kwargs):
         try:
+            self.__dict__.pop(_SPEC_STASH, None)
             controller = controller_of_runner(self)
         except Exception:  # noqa: BLE001 - without a controller the step is simply dense
             controller = None
-        return run_armed(
-            controller, lambda: step_rows(self.input_batch), lambda: original_execute(self, *args, **kwargs)
-        )
+        return run_armed(controller, lambda: runner_step_rows(self), lambda: original_execute(self, *args, **kwargs))
 
     for owner, name, hook in (
         (InputBatch, "add_request", add_request),

@@ -21,6 +21,10 @@ picks V2 (`VllmConfig.use_v2_model_runner`). It hooks:
 - `GPUModelRunner.load_model`, to build the head right after the weights load
   (`runner_hooks.prepare_after_load`).
 
+Under speculative decoding every step of V2 is served dense (`speculative_verify`, and the status
+route's `spec.verify.reason_code` is `model_runner_v2`): V2's verify rows are not served by
+FlashHead in this version (its adaptive verification also lays the rows out on the device only).
+
 Rows are sampled when their slot's temperature in V2's `SamplingStates` is
 above 0; FlashHead's logits for them are deterministic, so a request's `seed`
 still reproduces its text. The model state's `custom_sampler`
@@ -102,6 +106,14 @@ def step_rows(sampler: Any, input_batch: Any) -> StepRows:
     return StepRows(dense_codes=codes, sampled=sampled, stop_ids=stop_ids)
 
 
+def runner_step_rows(runner: Any, sampler: Any, input_batch: Any) -> StepRows:
+    """`step_rows`, or the whole step dense under speculative decoding (see the module docstring)."""
+    rows = step_rows(sampler, input_batch)
+    if getattr(runner, "speculative_config", None) is not None:
+        return StepRows(rows.dense_codes, rows.sampled, rows.stop_ids, all_dense="speculative_verify")
+    return rows
+
+
 def apply() -> None:
     """Hook V2's `Sampler.add_request`, `GPUModelRunner.sample` and `load_model`; raises, changing nothing,
     if one is missing."""
@@ -135,7 +147,7 @@ def apply() -> None:
             controller = None
         return run_armed(
             controller,
-            lambda: step_rows(sampler, input_batch),
+            lambda: runner_step_rows(self, sampler, input_batch),
             lambda: original_sample(self, hidden_states, input_batch, *args, **kwargs),
         )
 

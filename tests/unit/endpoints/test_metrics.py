@@ -51,7 +51,8 @@ async def test_metrics_route(app, client_for):
     assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     assert types(r.text) == {
         **{f"my_pkg_flashhead_{name}": "counter" for name in (
-            "steps", "rows", "fallbacks", "head_seconds", "fidelity_rows", "fidelity_agreed")},
+            "steps", "rows", "fallbacks", "head_seconds", "fidelity_rows", "fidelity_agreed", "rows_verify",
+            "rows_verify_pinned")},
         **{f"my_pkg_flashhead_{name}": "gauge" for name in (
             "available", "enabled", "active", "n_probes", "dense_batch_threshold")},
         "my_pkg_status_snapshot_age_seconds": "gauge",

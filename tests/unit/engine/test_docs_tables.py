@@ -19,6 +19,10 @@ def render(name: str) -> str:
     table, header = {
         "REASON_CODES": (contract.REASON_CODES, "| `reason_code` | FlashHead is not active because |"),
         "DENSE_ROW_REASONS": (contract.DENSE_ROW_REASONS, "| `rows_dense` key | The rows were served dense because |"),
+        "SPEC_REASON_CODES": (
+            contract.SPEC_REASON_CODES,
+            "| `spec.verify` / `spec.draft` `reason_code` | FlashHead does not serve it because |",
+        ),
     }[name]
     lines = [header, "|---|---|", *(f"| `{key}` | {text} |" for key, text in table.items())]
     return "\n".join(lines)
@@ -31,7 +35,7 @@ def _block(text: str, name: str) -> str | None:
 
 def test_the_docs_tables_are_generated_from_the_contract():
     text = DOC.read_text()
-    for name in ("REASON_CODES", "DENSE_ROW_REASONS"):
+    for name in ("REASON_CODES", "DENSE_ROW_REASONS", "SPEC_REASON_CODES"):
         expected = render(name)
         assert _block(text, name) == expected, f"paste into {DOC.name} between the {name} markers:\n{expected}"
 
@@ -39,6 +43,7 @@ def test_the_docs_tables_are_generated_from_the_contract():
 def test_the_literals_and_their_tables_name_the_same_codes():
     assert list(get_args(contract.ReasonCode)) == list(contract.REASON_CODES)
     assert list(get_args(contract.DenseRowReason)) == list(contract.DENSE_ROW_REASONS)
+    assert list(get_args(contract.SpecReasonCode)) == list(contract.SPEC_REASON_CODES)
     labels = [reason.label for reason in contract.DenseReason]
     assert list(get_args(contract.DenseRowReason)) == labels + list(get_args(contract.StepDenseReason))
 
@@ -59,7 +64,8 @@ def test_every_code_the_engine_writes_is_declared():
         r'"(\w+)" if "lora" in',
         r'"lora" in type\(layer\).__name__.lower\(\) else "(\w+)"',
     )
-    codes, reasons = set(), set()
+    spec_patterns = (r'_part\(\s*"(\w+)"', r'"(\w+)" if method in')
+    codes, reasons, spec_codes = set(), set(), set()
     engine = ROOT / "my_pkg" / "engine"
     for path in [*(engine / "flashhead").rglob("*.py"), *(engine / "patches").rglob("*.py")]:
         text = path.read_text()
@@ -67,10 +73,14 @@ def test_every_code_the_engine_writes_is_declared():
             codes.update(re.findall(pattern, text))
         for pattern in reason_patterns:
             reasons.update(re.findall(pattern, text))
+        for pattern in spec_patterns:
+            spec_codes.update(re.findall(pattern, text))
     assert {"quantized_head", "runner_hook_failed", "logits_processor_taken", "assets_invalid"} <= codes
     assert {"error", "batch_threshold", "lora", "wrapped_head"} <= reasons
     assert codes <= set(contract.REASON_CODES), codes - set(contract.REASON_CODES)
     assert reasons <= set(contract.DENSE_ROW_REASONS), reasons - set(contract.DENSE_ROW_REASONS)
+    assert {"model_runner_v2", "spec_hook_failed", "no_draft_head", "flashhead_inactive"} <= spec_codes
+    assert spec_codes <= set(contract.SPEC_REASON_CODES), spec_codes - set(contract.SPEC_REASON_CODES)
 
 
 def test_nothing_outside_the_engine_imports_it():

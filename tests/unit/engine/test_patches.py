@@ -249,7 +249,6 @@ def test_a_failing_step_description_falls_back_to_dense(processor_and_head):
     ("change", "code", "fragment"),
     [
         ({"pipeline_parallel_size": 2}, "pipeline_parallel", "pipeline parallel"),
-        ({"speculative_config": object()}, "speculative_decoding", "speculative decoding"),
         ({"lora_config": object()}, "lora", "LoRA is enabled"),
         ({"head_dtype": torch.float32}, "head_dtype", "head_dtype"),
     ],

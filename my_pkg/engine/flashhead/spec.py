@@ -1,0 +1,63 @@
+"""FlashHead's parts under speculative decoding, as the status route reports them (`SpecState`).
+
+Verify: the target's verify and bonus rows, served by FlashHead under the V1 model runner
+(`patches/model_runner.py`). Draft: the drafter's head, always dense in this version. Each part
+has its own `reason_code` (`contract.SpecReasonCode`); FlashHead stays on for every other row.
+Imports the contract only; vLLM's config reaches it as a plain argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from my_pkg.contract import SPEC_REASON_CODES, SpecPart, SpecState
+
+__all__ = ["MODEL_FREE_METHODS", "effective", "spec_state"]
+
+#: Speculative methods whose drafts come without an LM head.
+MODEL_FREE_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
+
+
+def _part(code: str | None, detail: str | None = None) -> SpecPart:
+    if code is None:
+        return SpecPart(active=True)
+    reason = SPEC_REASON_CODES[code] + (f": {detail}" if detail else "")
+    return SpecPart(active=False, reason_code=code, reason=reason)
+
+
+def spec_state(speculative_config: Any, *, v2: bool, hook_error: str | None) -> SpecState | None:
+    """The parts for this configuration (None without speculative decoding). `v2`: vLLM runs Model
+    Runner V2; `hook_error`: why V1's speculative metadata is not hooked (None when it is)."""
+    if speculative_config is None:
+        return None
+    method = getattr(speculative_config, "method", None)
+    tokens = getattr(speculative_config, "num_speculative_tokens", None)
+    if v2:
+        verify = _part("model_runner_v2")
+    elif hook_error is not None:
+        verify = _part("spec_hook_failed", hook_error)
+    else:
+        verify = _part(None)
+    draft = _part("no_draft_head" if method in MODEL_FREE_METHODS else "draft_head_not_supported")
+    pin = getattr(speculative_config, "draft_sample_method", "greedy") != "probabilistic"
+    return SpecState(
+        method=None if method is None else str(method),
+        num_speculative_tokens=None if tokens is None else int(tokens),
+        pin_drafts=pin and verify.active,
+        verify=verify,
+        draft=draft,
+    )
+
+
+def effective(spec: SpecState | None, flashhead_active: bool) -> SpecState | None:
+    """`spec` as the status route shows it: no part is active while FlashHead itself is not."""
+    if spec is None or flashhead_active:
+        return spec
+    inactive = _part("flashhead_inactive")
+    return spec.model_copy(
+        update={
+            "pin_drafts": False,
+            "verify": spec.verify if not spec.verify.active else inactive,
+            "draft": spec.draft if not spec.draft.active else inactive,
+        }
+    )

@@ -1,0 +1,252 @@
+"""FlashHead under speculative decoding (V1): the rows of a step against vLLM's own layout, the draft
+token scored exactly on sampled verify rows only, the per-part status, and the fallbacks."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from my_pkg.contract import FlashHeadState
+from my_pkg.engine.flashhead import FlashHeadController, StepRows
+from my_pkg.engine.flashhead.rows import DenseReason
+from my_pkg.engine.flashhead.spec import spec_state
+from my_pkg.engine.patches import model_runner, model_runner_v2
+
+VOCAB, HIDDEN, CAP = 256, 16, 16
+NGRAM = SimpleNamespace(method="ngram", num_speculative_tokens=3, draft_sample_method="greedy")
+
+
+def _fake_runner(num_reqs: int, temperatures, dense: dict[str, int], speculative_config=NGRAM):
+    """What the hooks read of vLLM's V1 runner, with vLLM's own `_calc_spec_decode_metadata` bound to it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    batch = SimpleNamespace(
+        num_reqs=num_reqs,
+        req_id_to_index={f"r{i}": i for i in range(num_reqs)},
+        temperature_cpu=np.asarray(temperatures, dtype=np.float32),
+        logitsprocs=SimpleNamespace(all=[]),
+    )
+    batch.__dict__["_my_pkg_dense_requests"] = dense
+    runner = SimpleNamespace(
+        input_batch=batch,
+        speculative_config=speculative_config,
+        arange_np=np.arange(1024),
+        _arange_scratch=np.empty(1024, dtype=np.int64),
+        device=torch.device("cpu"),
+        input_ids=SimpleNamespace(gpu=torch.randint(0, VOCAB, (512,), generator=torch.Generator().manual_seed(1))),
+    )
+    runner._get_cumsum_and_arange = functools.partial(GPUModelRunner._get_cumsum_and_arange, runner)
+    return runner
+
+
+def _calc(runner, num_draft_tokens, num_scheduled_tokens):
+    """vLLM's `_calc_spec_decode_metadata` (hooked), as `_prepare_inputs` calls it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    n = np.asarray(num_draft_tokens, dtype=np.int32)
+    cu = np.cumsum(np.asarray(num_scheduled_tokens, dtype=np.int32))
+    return GPUModelRunner._calc_spec_decode_metadata(runner, n, cu)
+
+
+def test_rows_follow_vllms_own_spec_decode_layout(flashhead_hooks):
+    # vLLM's documented example: 5 requests with 3, 0, 2, 0, 1 drafts.
+    assert model_runner.spec_hook_error() is None
+    runner = _fake_runner(5, [0.0, 0.7, 0.0, 1.0, 0.5], {"r2": DenseReason.LOGPROBS})
+    metadata = _calc(runner, [3, 0, 2, 0, 1], [4, 100, 3, 100, 2])
+    rows = model_runner.runner_step_rows(runner)
+    assert rows.num_rows == int(metadata.logits_indices.shape[0]) == 11
+    assert rows.verify_rows.tolist() == metadata.target_logits_indices.tolist() == [0, 1, 2, 5, 6, 9]
+    bonus = sorted(set(range(11)) - set(rows.verify_rows.tolist()))
+    assert bonus == metadata.bonus_logits_indices.tolist()
+    assert rows.dense_codes.tolist() == [0] * 5 + [DenseReason.LOGPROBS] * 3 + [0] * 3
+    assert rows.sampled.tolist() == [False] * 4 + [True] + [False] * 3 + [True] * 3
+    assert rows.draft_ids is metadata.draft_token_ids  # on the device, never read on the host
+    # Draft token of verify row r is the input token right after the row's own position.
+    assert rows.draft_ids.tolist() == runner.input_ids.gpu[metadata.logits_indices[rows.verify_rows + 1]].tolist()
+
+
+def test_the_stash_is_per_step_and_probabilistic_drafts_are_not_pinned(flashhead_hooks):
+    runner = _fake_runner(2, [0.7, 0.7], {}, SimpleNamespace(method="eagle", draft_sample_method="probabilistic"))
+    _calc(runner, [2, 1], [3, 2])
+    rows = model_runner.runner_step_rows(runner)
+    assert rows.num_rows == 5 and rows.verify_rows.tolist() == [0, 1, 3] and rows.draft_ids is None
+    runner.__dict__.pop(model_runner._SPEC_STASH)  # what the execute_model hook does at every step
+    assert model_runner.runner_step_rows(runner).num_rows == 2  # no metadata: one row per request
+
+
+def test_a_mismatched_draft_count_serves_the_step_dense_with_a_reason():
+    per_request = StepRows(np.zeros(3, np.uint8), np.zeros(3, bool))
+    rows = model_runner.spec_step_rows(per_request, np.array([1, 2]), None)
+    assert rows.all_dense == "unexpected_rows"
+
+
+def test_without_the_metadata_hook_speculative_steps_are_dense(monkeypatch):
+    monkeypatch.setattr(model_runner, "_spec_hook_error", "moved")
+    rows = model_runner.runner_step_rows(_fake_runner(2, [0.0, 0.0], {}))
+    assert rows.all_dense == "speculative_verify"
+    assert model_runner.runner_step_rows(_fake_runner(2, [0.0, 0.0], {}, None)).all_dense is None
+
+
+def test_v2_speculative_steps_are_dense_with_their_reason(monkeypatch):
+    monkeypatch.setattr(
+        model_runner_v2, "step_rows", lambda sampler, batch: StepRows(np.zeros(2, np.uint8), np.zeros(2, bool))
+    )
+    runner = SimpleNamespace(speculative_config=NGRAM)
+    assert model_runner_v2.runner_step_rows(runner, None, None).all_dense == "speculative_verify"
+    runner.speculative_config = None
+    assert model_runner_v2.runner_step_rows(runner, None, None).all_dense is None
+
+
+# ---- the controller: greedy rows unchanged, sampled verify rows with their draft exact ------------
+
+
+@pytest.fixture
+def controller():
+    torch.manual_seed(0)
+    weight = torch.randn(VOCAB, HIDDEN)
+    assignments = torch.randperm(VOCAB) % (VOCAB // CAP)
+    centroids = torch.stack([weight[assignments == c].mean(0) for c in range(VOCAB // CAP)])
+    controller = FlashHeadController(
+        centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB
+    )
+    controller.prepare(weight)
+    assert controller.head is not None
+    return controller
+
+
+def _serve(controller, hidden, rows):
+    dense = lambda h: h @ controller.head.weight.T  # noqa: E731
+    return controller.compute_logits(hidden, rows, dense, lambda x: x)
+
+
+def _outside_candidates(logits_row: torch.Tensor) -> int:
+    """A token the row's FlashHead logits do not score exactly (-inf for a greedy row)."""
+    return int(torch.nonzero(~torch.isfinite(logits_row))[0, 0])
+
+
+def test_greedy_verify_rows_are_flashheads_greedy_rows_and_sampled_ones_score_their_draft(controller):
+    # Request 0 greedy with 2 drafts, request 1 sampled with 3, request 2 sampled but needs dense (1 draft).
+    per_request = StepRows(np.array([0, 0, DenseReason.LOGPROBS], np.uint8), np.array([False, True, True]))
+    n = np.array([2, 3, 1])
+    hidden = torch.randn(int((n + 1).sum()), HIDDEN)
+    weight = controller.head.weight
+    dense = hidden @ weight.T
+    # What each row gets without speculation (one row per request, same hidden): the reference.
+    plain = StepRows(np.zeros(9, np.uint8), np.array([False] * 3 + [True] * 4 + [False] * 2))
+    reference = _serve(controller, hidden, plain)
+    # Drafts the plain rows do not score exactly, so that pinning shows.
+    drafts = torch.tensor(
+        [
+            _outside_candidates(reference[r]) if r < 3 else int(dense[r].argsort()[VOCAB // 2])
+            for r in (0, 1, 3, 4, 5, 7)
+        ]
+    )
+    rows = model_runner.spec_step_rows(per_request, n, drafts)
+    assert rows.verify_rows.tolist() == [0, 1, 3, 4, 5, 7]
+    before = controller.counters.snapshot()
+    logits = _serve(controller, hidden, rows)
+
+    # Greedy rows (verify and bonus) are what FlashHead gives without speculation: the draft is not pinned.
+    torch.testing.assert_close(logits[:3], reference[:3])
+    assert not torch.isfinite(logits[0, drafts[0]]) and not torch.isfinite(logits[1, drafts[1]])
+    # Sampled verify rows: the draft token's logit is exact, everything else as without speculation.
+    for j, row in enumerate((3, 4, 5)):
+        d = int(drafts[2 + j])
+        assert not torch.isclose(reference[row, d], dense[row, d])  # it was estimated before
+        torch.testing.assert_close(logits[row, d], dense[row, d])
+        others = torch.ones(VOCAB, dtype=torch.bool)
+        others[d] = False
+        torch.testing.assert_close(logits[row, others], reference[row, others])
+    torch.testing.assert_close(logits[6], reference[6])  # the bonus row: unpinned
+    torch.testing.assert_close(logits[7:], dense[7:])  # the dense request, verify and bonus
+    after = controller.counters.snapshot()
+    assert after.rows_flashhead - before.rows_flashhead == 7
+    assert after.rows_flashhead_verify - before.rows_flashhead_verify == 5
+    assert after.rows_flashhead_verify_pinned - before.rows_flashhead_verify_pinned == 3
+    assert after.rows_dense["logprobs"] - before.rows_dense.get("logprobs", 0) == 2
+
+
+def test_without_draft_ids_sampled_verify_rows_are_unpinned(controller):
+    per_request = StepRows(np.zeros(1, np.uint8), np.ones(1, bool))
+    hidden = torch.randn(3, HIDDEN)
+    reference = _serve(controller, hidden, StepRows(np.zeros(3, np.uint8), np.ones(3, bool)))
+    logits = _serve(controller, hidden, model_runner.spec_step_rows(per_request, np.array([2]), None))
+    torch.testing.assert_close(logits, reference)
+    assert controller.counters.rows_flashhead_verify == 2 and controller.counters.rows_flashhead_verify_pinned == 0
+
+
+def test_steps_the_hooks_mark_dense_and_wrong_row_counts_are_counted(controller):
+    hidden = torch.randn(4, HIDDEN)
+    dense = hidden @ controller.head.weight.T
+    marked = StepRows(np.zeros(4, np.uint8), np.zeros(4, bool), all_dense="speculative_verify")
+    torch.testing.assert_close(_serve(controller, hidden, marked), dense)
+    short = model_runner.spec_step_rows(StepRows(np.zeros(1, np.uint8), np.zeros(1, bool)), np.array([2]), None)
+    torch.testing.assert_close(_serve(controller, hidden, short), dense)  # 3 rows announced, 4 came
+    assert controller.counters.rows_dense == {"speculative_verify": 4, "unexpected_rows": 4}
+    assert controller.counters.rows_flashhead == 0
+
+
+# ---- the status route: one reason code per part -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "v2", "hook_error", "verify", "draft"),
+    [
+        (NGRAM, False, None, None, "no_draft_head"),
+        (SimpleNamespace(method="suffix", num_speculative_tokens=4), False, None, None, "no_draft_head"),
+        (SimpleNamespace(method="eagle3", num_speculative_tokens=3), False, None, None, "draft_head_not_supported"),
+        (
+            SimpleNamespace(method="draft_model", num_speculative_tokens=3),
+            False,
+            None,
+            None,
+            "draft_head_not_supported",
+        ),
+        (NGRAM, True, None, "model_runner_v2", "no_draft_head"),
+        (NGRAM, False, "moved", "spec_hook_failed", "no_draft_head"),
+    ],
+)
+def test_each_part_has_its_own_reason_code(config, v2, hook_error, verify, draft):
+    state = spec_state(config, v2=v2, hook_error=hook_error)
+    assert state.verify.active is (verify is None) and state.verify.reason_code == verify
+    assert not state.draft.active and state.draft.reason_code == draft and state.draft.reason
+    assert state.method == config.method and state.pin_drafts is (verify is None)
+    assert spec_state(None, v2=v2, hook_error=hook_error) is None
+
+
+def test_the_status_shows_the_parts_and_no_part_is_active_while_flashhead_is_not(controller):
+    controller.spec = spec_state(NGRAM, v2=False, hook_error=None)
+    state = FlashHeadState.model_validate(controller.status().model_dump())
+    assert state.active and state.reason_code is None
+    assert state.spec.verify.active and state.spec.draft.reason_code == "no_draft_head"
+    controller.settings.enabled = False
+    off = controller.status()
+    assert off.reason_code == "disabled" and not off.spec.verify.active
+    assert off.spec.verify.reason_code == "flashhead_inactive" and off.spec.draft.reason_code == "no_draft_head"
+
+
+def test_speculative_decoding_no_longer_turns_flashhead_off():
+    from my_pkg.engine.patches import logits_processor
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, head_dtype=None),
+        speculative_config=NGRAM,
+        lora_config=None,
+    )
+    assert logits_processor._unsupported_reason(config) is None
+
+
+def test_a_drafter_being_built_gets_no_controller():
+    from vllm.compilation.backends import set_model_tag
+
+    from my_pkg.engine.patches import logits_processor
+
+    assert not logits_processor._building_drafter()
+    for tag in ("eagle_head", "draft_model"):
+        with set_model_tag(tag):
+            assert logits_processor._building_drafter()
