@@ -32,11 +32,12 @@ import math
 import os
 import platform
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -104,8 +105,10 @@ class CaseResult:
     def line(self) -> str:
         status = "ok  " if self.passed else "FAIL"
         if self.vocab:
-            detail = (f"V={self.vocab:<6d} H={self.hidden:<4d} B={self.batch:<2d} P={self.probes:<3d} "
-                      f"logits err {self.logits_max_error:.1e} (torch path {self.torch_path_max_error:.1e})")
+            detail = (
+                f"V={self.vocab:<6d} H={self.hidden:<4d} B={self.batch:<2d} P={self.probes:<3d} "
+                f"logits err {self.logits_max_error:.1e} (torch path {self.torch_path_max_error:.1e})"
+            )
         else:
             detail = self.name
         return f"{status} {self.dtype:4s} {detail}" + ("".join(f"\n       - {e}" for e in self.errors))
@@ -121,7 +124,7 @@ class RandomHead:
     vocab: int
 
     @classmethod
-    def make(cls, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, seed: int) -> "RandomHead":
+    def make(cls, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, seed: int) -> RandomHead:
         g = torch.Generator(device=device).manual_seed(seed)
         rows = vocab + (-vocab) % 64
         scale = 2.0 / math.sqrt(hidden)  # logits of a few units, as in trained heads
@@ -139,8 +142,9 @@ class RandomHead:
         return self.weight.float()
 
     def flashhead(self, backend: str, n_probes: int) -> FlashHead:
-        return FlashHead(self.weight, self.centroids, self.assignments, vocab_size=self.vocab, n_probes=n_probes,
-                         backend=backend)
+        return FlashHead(
+            self.weight, self.centroids, self.assignments, vocab_size=self.vocab, n_probes=n_probes, backend=backend
+        )
 
 
 def _exceeds(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> tuple[float, bool]:
@@ -163,8 +167,14 @@ def check_case(head: RandomHead, batch: int, seed: int) -> CaseResult:
     num_clusters = head.centroids.shape[0]
     n_probes = default_n_probes(num_clusters)
     triton_head = head.flashhead("triton", n_probes)
-    result = CaseResult(name="case", dtype=DTYPE_NAMES[dtype], vocab=head.vocab, hidden=head.weight.shape[1],
-                        batch=batch, probes=n_probes)
+    result = CaseResult(
+        name="case",
+        dtype=DTYPE_NAMES[dtype],
+        vocab=head.vocab,
+        hidden=head.weight.shape[1],
+        batch=batch,
+        probes=n_probes,
+    )
     errors = result.errors
     g = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(batch, head.weight.shape[1], generator=g, device=device).to(dtype)
@@ -232,16 +242,25 @@ def check_ties(dtype: torch.dtype, device: torch.device) -> CaseResult:
     weight = torch.zeros(48, 4)
     weight[:, 0] = -torch.arange(48, dtype=torch.float32) - 1.0
     weight[[40, 20, 9], 0] = -0.5
-    head = FlashHead(weight.to(device, dtype), torch.randn(3, 4).to(device, dtype), torch.arange(48) % 3,
-                     n_probes=3, backend="triton")
+    head = FlashHead(
+        weight.to(device, dtype),
+        torch.randn(3, 4).to(device, dtype),
+        torch.arange(48) % 3,
+        n_probes=3,
+        backend="triton",
+    )
     got = head.step_logits(torch.tensor([[1.0, 0, 0, 0]], device=device, dtype=dtype)).argmax(dim=1).tolist()
     if got != [9]:
         result.errors.append(f"expected token 9, got {got}")
     return result
 
 
-def run_correctness(device: torch.device, shapes: list[tuple[int, int, int]], dtypes: list[torch.dtype],
-                    report: Callable[[CaseResult], None]) -> list[CaseResult]:
+def run_correctness(
+    device: torch.device,
+    shapes: list[tuple[int, int, int]],
+    dtypes: list[torch.dtype],
+    report: Callable[[CaseResult], None],
+) -> list[CaseResult]:
     """Every (vocab, hidden, batch) shape in every dtype, one head per (vocab, hidden, dtype)."""
     results: list[CaseResult] = []
 
@@ -260,8 +279,16 @@ def run_correctness(device: torch.device, shapes: list[tuple[int, int, int]], dt
             try:
                 record(check_case(heads[key], batch, seed))
             except Exception as exc:  # noqa: BLE001 - a crashing case is a failed case; keep checking
-                record(CaseResult(name=f"V={vocab} H={hidden} B={batch}", dtype=DTYPE_NAMES[dtype], vocab=vocab,
-                                  hidden=hidden, batch=batch, errors=[f"raised {type(exc).__name__}: {exc}"]))
+                record(
+                    CaseResult(
+                        name=f"V={vocab} H={hidden} B={batch}",
+                        dtype=DTYPE_NAMES[dtype],
+                        vocab=vocab,
+                        hidden=hidden,
+                        batch=batch,
+                        errors=[f"raised {type(exc).__name__}: {exc}"],
+                    )
+                )
         heads.clear()
     return results
 
@@ -289,8 +316,7 @@ def sampled_mask(kind: str, batch: int):
     """The ``sampled`` argument serving passes for a batch of this kind (mixed: every other row samples)."""
     import numpy as np
 
-    return {"greedy": np.zeros(batch, bool), "sampled": np.ones(batch, bool),
-            "mixed": np.arange(batch) % 2 == 1}[kind]
+    return {"greedy": np.zeros(batch, bool), "sampled": np.ones(batch, bool), "mixed": np.arange(batch) % 2 == 1}[kind]
 
 
 def _bench(fn: Callable[[], Any], cuda_graphs: bool) -> float:
@@ -301,8 +327,14 @@ def _bench(fn: Callable[[], Any], cuda_graphs: bool) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def run_timing(device: torch.device, shapes: list[tuple[int, int]], batches: list[int], dtype: torch.dtype,
-               cuda_graphs: bool, kinds: tuple[str, ...] = TIMING_KINDS) -> list[dict[str, Any]]:
+def run_timing(
+    device: torch.device,
+    shapes: list[tuple[int, int]],
+    batches: list[int],
+    dtype: torch.dtype,
+    cuda_graphs: bool,
+    kinds: tuple[str, ...] = TIMING_KINDS,
+) -> list[dict[str, Any]]:
     """Median ms of one served step (``step_logits``) per kind, and of the dense head into the same logits."""
     tables = []
     print(f"\ntiming: median ms of {'CUDA-graph replays' if cuda_graphs else 'eager launches'} (triton.testing)")
@@ -314,30 +346,45 @@ def run_timing(device: torch.device, shapes: list[tuple[int, int]], batches: lis
         dense_weight = head.weight[:vocab]
         pins = torch.arange(vocab - PINNED, vocab, device=device)
         flash.step_logits(torch.zeros(1, hidden, device=device, dtype=dtype), sampled=sampled_mask("sampled", 1))
-        print(f"\nV={vocab:,} H={hidden:,} {DTYPE_NAMES[dtype]}: {num_clusters:,} clusters, {n_probes} probes; sampled "
-              f"rows {flash.sampled_n_probes} probes + rank-{flash.sampled_rank} estimate; {PINNED} pinned ids")
+        print(
+            f"\nV={vocab:,} H={hidden:,} {DTYPE_NAMES[dtype]}: {num_clusters:,} clusters, {n_probes} probes; sampled "
+            f"rows {flash.sampled_n_probes} probes + rank-{flash.sampled_rank} estimate; {PINNED} pinned ids"
+        )
         print("batch | dense ms | " + " | ".join(f"{k} ms | vs dense" for k in kinds) + " | stage 1 ms")
         rows = []
         for batch in batches:
             h = torch.randn(batch, hidden, device=device).to(dtype)
-            row: dict[str, Any] = {"batch": batch,
-                                   "dense_ms": _bench(lambda: torch.nn.functional.linear(h, dense_weight), cuda_graphs),
-                                   "stage1_ms": _bench(lambda: flash.select_probes(h), cuda_graphs)}
+            row: dict[str, Any] = {
+                "batch": batch,
+                "dense_ms": _bench(partial(torch.nn.functional.linear, h, dense_weight), cuda_graphs),
+                "stage1_ms": _bench(partial(flash.select_probes, h), cuda_graphs),
+            }
             cells = []
             for kind in kinds:
                 if kind == "mixed" and batch == 1:
                     continue
                 mask = sampled_mask(kind, batch)
                 flash.step_logits(h, sampled=mask, pinned=pins)  # warm-up outside any capture
-                ms = _bench(lambda: flash.step_logits(h, sampled=mask, pinned=pins), cuda_graphs)
+                ms = _bench(partial(flash.step_logits, h, sampled=mask, pinned=pins), cuda_graphs)
                 row[f"{kind}_ms"], row[f"{kind}_speedup"] = ms, row["dense_ms"] / ms
                 cells.append(f"{ms:8.4f} | {row['dense_ms'] / ms:6.2f}x")
-            print(f"{batch:5d} | {row['dense_ms']:8.4f} | " + " | ".join(cells) + f" | {row['stage1_ms']:.4f}",
-                  flush=True)
+            print(
+                f"{batch:5d} | {row['dense_ms']:8.4f} | " + " | ".join(cells) + f" | {row['stage1_ms']:.4f}", flush=True
+            )
             rows.append(row)
-        tables.append({"vocab": vocab, "hidden": hidden, "dtype": DTYPE_NAMES[dtype], "clusters": num_clusters,
-                       "probes": n_probes, "sampled_probes": flash.sampled_n_probes, "rank": flash.sampled_rank,
-                       "pinned": PINNED, "rows": rows})
+        tables.append(
+            {
+                "vocab": vocab,
+                "hidden": hidden,
+                "dtype": DTYPE_NAMES[dtype],
+                "clusters": num_clusters,
+                "probes": n_probes,
+                "sampled_probes": flash.sampled_n_probes,
+                "rank": flash.sampled_rank,
+                "pinned": PINNED,
+                "rows": rows,
+            }
+        )
         del head, flash
         torch.cuda.empty_cache()
     return tables
@@ -362,8 +409,13 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 def environment(device: torch.device) -> dict[str, Any]:
     import triton
 
-    info = {"torch": str(torch.__version__), "triton": str(triton.__version__), "python": platform.python_version(),
-            "device": device.type, "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+    info = {
+        "torch": str(torch.__version__),
+        "triton": str(triton.__version__),
+        "python": platform.python_version(),
+        "device": device.type,
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
@@ -372,12 +424,20 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--interpret", action="store_true",
-                    help="no GPU needed: correctness only, on CPU tensors under TRITON_INTERPRET=1, tiny shapes")
+    ap.add_argument(
+        "--interpret",
+        action="store_true",
+        help="no GPU needed: correctness only, on CPU tensors under TRITON_INTERPRET=1, tiny shapes",
+    )
     ap.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every figure to FILE")
     ap.add_argument("--no-timing", action="store_true", help="correctness only")
-    ap.add_argument("--timing-shapes", type=_shapes, default=list(TIMING_SHAPES), metavar="VxH,...",
-                    help="heads to time (default: 128256x2048,128256x4096,151936x896)")
+    ap.add_argument(
+        "--timing-shapes",
+        type=_shapes,
+        default=list(TIMING_SHAPES),
+        metavar="VxH,...",
+        help="heads to time (default: 128256x2048,128256x4096,151936x896)",
+    )
     ap.add_argument("--batches", type=_ints, default=list(TIMING_BATCHES), help="timed batch sizes")
     ap.add_argument("--timing-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--eager", action="store_true", help="time eager launches instead of CUDA-graph replays")
@@ -390,8 +450,10 @@ def main(argv: list[str] | None = None) -> int:
         shapes = list(INTERPRET_SHAPES)
     else:
         if not torch.cuda.is_available():
-            print("gpu_check: no CUDA device is visible, so there is nothing to check here. Run it on a CUDA "
-                  "machine, or pass --interpret for the correctness part on CPU under the Triton interpreter.")
+            print(
+                "gpu_check: no CUDA device is visible, so there is nothing to check here. Run it on a CUDA "
+                "machine, or pass --interpret for the correctness part on CPU under the Triton interpreter."
+            )
             return EXIT_NO_CUDA
         device = torch.device("cuda")
         shapes = [(v, h, b) for v in GPU_VOCABS for h in GPU_HIDDENS for b in GPU_BATCHES]
@@ -402,23 +464,29 @@ def main(argv: list[str] | None = None) -> int:
     info = environment(device)
     print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     dtypes = list(TOLERANCES)
-    print("tolerances: " + "; ".join(f"{DTYPE_NAMES[d]} atol {t.atol:g} rtol {t.rtol:g}"
-                                     for d, t in TOLERANCES.items()))
+    print(
+        "tolerances: " + "; ".join(f"{DTYPE_NAMES[d]} atol {t.atol:g} rtol {t.rtol:g}" for d, t in TOLERANCES.items())
+    )
     with exact_matmuls():
         results = run_correctness(device, shapes, dtypes, lambda case: print(case.line(), flush=True))
     failed = [r for r in results if not r.passed]
     differ = sum(not r.argmax_matches_torch_path for r in results)
-    print(f"correctness: {len(results) - len(failed)}/{len(results)} cases passed"
-          + (f" ({differ} where the argmax differs from the torch path's within tolerance)" if differ else ""))
+    print(
+        f"correctness: {len(results) - len(failed)}/{len(results)} cases passed"
+        + (f" ({differ} where the argmax differs from the torch path's within tolerance)" if differ else "")
+    )
 
     timing = []
     if not args.interpret and not args.no_timing:
-        timing = run_timing(device, args.timing_shapes, args.batches, getattr(torch, args.timing_dtype),
-                            not args.eager)
+        timing = run_timing(device, args.timing_shapes, args.batches, getattr(torch, args.timing_dtype), not args.eager)
     if args.json is not None:
-        payload = {"environment": info, "tolerances": {DTYPE_NAMES[d]: asdict(t) for d, t in TOLERANCES.items()},
-                   "correctness": [{**asdict(r), "passed": r.passed} for r in results], "timing": timing,
-                   "timing_mode": "eager" if args.eager else "cuda_graphs"}
+        payload = {
+            "environment": info,
+            "tolerances": {DTYPE_NAMES[d]: asdict(t) for d, t in TOLERANCES.items()},
+            "correctness": [{**asdict(r), "passed": r.passed} for r in results],
+            "timing": timing,
+            "timing_mode": "eager" if args.eager else "cuda_graphs",
+        }
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
     if failed:

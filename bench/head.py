@@ -25,6 +25,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +84,21 @@ def sampled_mask(kind: str, batch: int) -> np.ndarray:
     return np.arange(batch) % 2 == 1  # mixed: every other row samples
 
 
-def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.device, dtype: torch.dtype,
-                n_probes: int | None, repeats: int, min_time: float, rounds: int, kinds: tuple[str, ...],
-                pinned: int, backend: str = "auto", clock: str = "wall") -> dict:
+def bench_shape(
+    hidden: int,
+    vocab: int,
+    batches: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    n_probes: int | None,
+    repeats: int,
+    min_time: float,
+    rounds: int,
+    kinds: tuple[str, ...],
+    pinned: int,
+    backend: str = "auto",
+    clock: str = "wall",
+) -> dict:
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, hidden, generator=g, dtype=torch.float32).to(dtype).to(device)
     assign = random_balanced_assignment(vocab, 16)
@@ -101,9 +114,12 @@ def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.devic
     rows = []
     for b in batches:
         h = torch.randn(b, hidden, generator=g).to(dtype).to(device)
-        steps = {kind: (lambda m=sampled_mask(kind, b): head.step_logits(h, sampled=m, pinned=pins))
-                 for kind in kinds if not (kind == "mixed" and b == 1)}
-        dense_fn = lambda: torch.nn.functional.linear(h, dense_weight)  # noqa: E731
+        steps = {
+            kind: partial(head.step_logits, h, sampled=sampled_mask(kind, b), pinned=pins)
+            for kind in kinds
+            if not (kind == "mixed" and b == 1)
+        }
+        dense_fn = partial(torch.nn.functional.linear, h, dense_weight)
         dense_fn()
         for fn in steps.values():  # warm-up (allocator, first-call paths)
             fn()
@@ -116,20 +132,38 @@ def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.devic
         row = {"batch": b, "dense": statistics.median(dense_runs), "kinds": {}}
         for kind, runs in flash_runs.items():
             ratios = [d / f for d, f in zip(dense_runs, runs)]
-            row["kinds"][kind] = {"ms": statistics.median(runs), "ratio": statistics.median(ratios),
-                                  "min": min(ratios), "max": max(ratios)}
+            row["kinds"][kind] = {
+                "ms": statistics.median(runs),
+                "ratio": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+            }
         rows.append(row)
-        text = "  ".join(f"{k} {v['ms']:8.2f} ms x{v['ratio']:.2f} ({v['min']:.2f}..{v['max']:.2f})"
-                         for k, v in row["kinds"].items())
+        text = "  ".join(
+            f"{k} {v['ms']:8.2f} ms x{v['ratio']:.2f} ({v['min']:.2f}..{v['max']:.2f})" for k, v in row["kinds"].items()
+        )
         print(f"  H={hidden:5d} V={vocab:7d} B={b:4d}: dense {row['dense']:8.2f} ms  {text}", flush=True)
     worst = min((v["ratio"], r["batch"], k) for r in rows for k, v in r["kinds"].items())
     crossover = next((r["batch"] for r in rows if any(v["ratio"] <= 1.0 for v in r["kinds"].values())), None)
-    result = {"hidden": hidden, "vocab": vocab, "clusters": c, "probes": p, "rows": rows, "crossover": crossover,
-              "worst": worst, "backend": head.backend, "rounds": rounds, "pinned": pinned, "clock": clock,
-              "sampled_probes": head.sampled_n_probes, "rank": head.sampled_rank, "tables_s": tables_s,
-              "extra_bytes": head.extra_memory_bytes,
-              "rows_greedy": head.scored_rows_per_step(sampled=False, pinned=pinned),
-              "rows_sampled": head.scored_rows_per_step(sampled=True, pinned=pinned)}
+    result = {
+        "hidden": hidden,
+        "vocab": vocab,
+        "clusters": c,
+        "probes": p,
+        "rows": rows,
+        "crossover": crossover,
+        "worst": worst,
+        "backend": head.backend,
+        "rounds": rounds,
+        "pinned": pinned,
+        "clock": clock,
+        "sampled_probes": head.sampled_n_probes,
+        "rank": head.sampled_rank,
+        "tables_s": tables_s,
+        "extra_bytes": head.extra_memory_bytes,
+        "rows_greedy": head.scored_rows_per_step(sampled=False, pinned=pinned),
+        "rows_sampled": head.scored_rows_per_step(sampled=True, pinned=pinned),
+    }
     del weight, head
     return result
 
@@ -137,25 +171,37 @@ def bench_shape(hidden: int, vocab: int, batches: list[int], device: torch.devic
 def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, machine: str | None = None) -> str:
     """The benchmark section; ``machine`` is the description taken when the run started."""
     rounds = max((r["rounds"] for r in results), default=1)
-    out = [f"### FlashHead vs dense LM head, as served ({device.type}, {str(dtype).replace('torch.', '')})", "",
-           f"Machine: {machine or machine_description()}", "",
-           f"Command: `{command_line()}`", "",
-           "One decode step into the `[B, V]` logits vLLM's sampler gets (ms, median"
-           + ("; the thread's CPU time, one thread: time given to other processes is left out" if any(
-               r.get("clock") == "cpu" for r in results) else "") + "). Dense = `F.linear(hidden, "
-           "W[:V])`; FlashHead = `FlashHead.step_logits` as serving calls it: greedy rows, sampled rows (exact "
-           "candidates + tail estimate) or a mixed batch (every other row sampled), pinned ids scored on every row. "
-           "Random heads with a random balanced assignment (the cost does not depend on cluster quality). "
-           f"Each batch: {rounds} paired rounds (dense and every FlashHead kind back to back); speed-up = median "
-           "over the rounds of dense / FlashHead, spread = lowest..highest round.", ""]
+    out = [
+        f"### FlashHead vs dense LM head, as served ({device.type}, {str(dtype).replace('torch.', '')})",
+        "",
+        f"Machine: {machine or machine_description()}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        "One decode step into the `[B, V]` logits vLLM's sampler gets (ms, median"
+        + (
+            "; the thread's CPU time, one thread: time given to other processes is left out"
+            if any(r.get("clock") == "cpu" for r in results)
+            else ""
+        )
+        + "). Dense = `F.linear(hidden, "
+        "W[:V])`; FlashHead = `FlashHead.step_logits` as serving calls it: greedy rows, sampled rows (exact "
+        "candidates + tail estimate) or a mixed batch (every other row sampled), pinned ids scored on every row. "
+        "Random heads with a random balanced assignment (the cost does not depend on cluster quality). "
+        f"Each batch: {rounds} paired rounds (dense and every FlashHead kind back to back); speed-up = median "
+        "over the rounds of dense / FlashHead, spread = lowest..highest round.",
+        "",
+    ]
     for r in results:
         kinds = list(r["rows"][0]["kinds"]) if r["rows"] else []
         kinds += [k for x in r["rows"] for k in x["kinds"] if k not in kinds]
-        out.append(f"**V = {r['vocab']:,}, H = {r['hidden']:,}** ({r['clusters']:,} clusters of 16, {r['probes']} "
-                   f"probes; sampled rows {r['sampled_probes']} probes + rank-{r['rank']} estimate; {r['pinned']} "
-                   f"pinned ids; rows scored per row: greedy {r['rows_greedy']:,}, sampled {r['rows_sampled']:,} "
-                   f"of {r['vocab']:,}; backend {r['backend']}; extra memory {r['extra_bytes'] / 2**20:.1f} MiB; "
-                   f"estimate tables built once in {r['tables_s']:.1f} s)")
+        out.append(
+            f"**V = {r['vocab']:,}, H = {r['hidden']:,}** ({r['clusters']:,} clusters of 16, {r['probes']} "
+            f"probes; sampled rows {r['sampled_probes']} probes + rank-{r['rank']} estimate; {r['pinned']} "
+            f"pinned ids; rows scored per row: greedy {r['rows_greedy']:,}, sampled {r['rows_sampled']:,} "
+            f"of {r['vocab']:,}; backend {r['backend']}; extra memory {r['extra_bytes'] / 2**20:.1f} MiB; "
+            f"estimate tables built once in {r['tables_s']:.1f} s)"
+        )
         out.append("")
         out.append("| batch | dense ms | " + " | ".join(f"{k} ms | {k} speed-up (spread)" for k in kinds) + " |")
         out.append("|---:|---:|" + "---:|---:|" * len(kinds))
@@ -163,8 +209,9 @@ def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, m
             cells = []
             for k in kinds:
                 v = x["kinds"].get(k)
-                cells.append("n/a | n/a" if v is None else
-                             f"{v['ms']:.2f} | {v['ratio']:.2f}x ({v['min']:.2f}..{v['max']:.2f})")
+                cells.append(
+                    "n/a | n/a" if v is None else f"{v['ms']:.2f} | {v['ratio']:.2f}x ({v['min']:.2f}..{v['max']:.2f})"
+                )
             out.append(f"| {x['batch']} | {x['dense']:.2f} | " + " | ".join(cells) + " |")
         ratio, batch, kind = r["worst"]
         out.append("")
@@ -182,16 +229,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of greedy,sampled,mixed")
     ap.add_argument("--pinned", type=int, default=3, help="pinned ids scored on every row (EOS and the like)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                    help="default float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="default float32 on CPU, bfloat16 on CUDA",
+    )
     ap.add_argument("--backend", default="auto", help="a registered FlashHead kernel backend")
     ap.add_argument("--n-probes", type=int, default=None, help="default: the builder's (about 1/32 of the clusters)")
     ap.add_argument("--repeats", type=int, default=2, help="calls per measurement (median)")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds per batch")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds spent per measurement at least")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="cpu: the thread's CPU time (CPU, --threads 1 only): steadier on a shared machine")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: the thread's CPU time (CPU, --threads 1 only): steadier on a shared machine",
+    )
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.repeats < 1:
@@ -203,8 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (args.threads != 1 or args.device == "cuda"):
         ap.error("--clock cpu needs --threads 1 on the CPU (one thread's CPU time is the step's time)")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     dtype = getattr(torch, args.dtype) if args.dtype else _default_dtype(device)
     hidden = args.hidden or ([2048] if args.quick else FULL_HIDDEN)
     vocab = args.vocab or ([128256] if args.quick else FULL_VOCAB)
@@ -214,11 +272,28 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for v in vocab:
         for h in hidden:
-            results.append(bench_shape(h, v, batches, device, dtype, args.n_probes, args.repeats, args.min_time,
-                                       args.rounds, kinds, args.pinned, args.backend, args.clock))
+            results.append(
+                bench_shape(
+                    h,
+                    v,
+                    batches,
+                    device,
+                    dtype,
+                    args.n_probes,
+                    args.repeats,
+                    args.min_time,
+                    args.rounds,
+                    kinds,
+                    args.pinned,
+                    args.backend,
+                    args.clock,
+                )
+            )
             r = results[-1]
-            print(f"  -> crossover batch: {r['crossover'] if r['crossover'] is not None else 'none measured'}; "
-                  f"lowest median speed-up {r['worst'][0]:.2f}x ({r['worst'][2]} at batch {r['worst'][1]})")
+            print(
+                f"  -> crossover batch: {r['crossover'] if r['crossover'] is not None else 'none measured'}; "
+                f"lowest median speed-up {r['worst'][0]:.2f}x ({r['worst'][2]} at batch {r['worst'][1]})"
+            )
     md = to_markdown(results, device, dtype, machine)
     if not args.no_write:
         name = section_name(device, dtype)

@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import command_line, machine_description  # noqa: E402
-
 from safetensors.torch import save_file  # noqa: E402
 
 from my_pkg.cli import main as cli  # noqa: E402
@@ -47,12 +46,12 @@ from my_pkg.devtools.trained_fixture import TrainedFixture, load_trained_fixture
 from my_pkg.flashhead import FlashHead, default_n_probes  # noqa: E402
 from my_pkg.flashhead.assets import load_assets, read_config  # noqa: E402
 from my_pkg.flashhead.clustering import random_balanced_assignment  # noqa: E402
-from my_pkg.flashhead.evaluate import (SAMPLING_SETTINGS, sampling_distribution, serving_fidelity,  # noqa: E402
-                                       total_variation)
+from my_pkg.flashhead.evaluate import SAMPLING_SETTINGS, sampling_distribution, serving_fidelity, total_variation  # noqa: E402
 
 
-def _drawn_clusters_tv(head: FlashHead, hidden: torch.Tensor, pinned: torch.Tensor, draws: int,
-                       seed: int) -> list[float]:
+def _drawn_clusters_tv(
+    head: FlashHead, hidden: torch.Tensor, pinned: torch.Tensor, draws: int, seed: int
+) -> list[float]:
     """TV of the earlier design: ``n_probes`` clusters drawn without replacement with probability
     ``softmax(score)`` (Gumbel top-k), exact logits of their members and the pinned ids, ``-inf`` elsewhere."""
     dense = hidden @ head.weight[: head.vocab_size].float().T
@@ -67,8 +66,10 @@ def _drawn_clusters_tv(head: FlashHead, hidden: torch.Tensor, pinned: torch.Tens
         logits[:, pinned] = dense[:, pinned]
         for i, (temperature, top_p) in enumerate(SAMPLING_SETTINGS):
             expected[i] += sampling_distribution(logits, temperature, top_p) / draws
-    return [float(total_variation(sampling_distribution(dense, t, p), q).mean())
-            for (t, p), q in zip(SAMPLING_SETTINGS, expected)]
+    return [
+        float(total_variation(sampling_distribution(dense, t, p), q).mean())
+        for (t, p), q in zip(SAMPLING_SETTINGS, expected)
+    ]
 
 
 def _built(fx: TrainedFixture, root: Path, calibrated: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -105,18 +106,23 @@ def speed(vocab: int, hidden: int, rounds: int = 5) -> None:
     weight = torch.randn(vocab, hidden, generator=generator)
     assignments = random_balanced_assignment(vocab, 16)
     clusters = int(assignments.max()) + 1
-    head = FlashHead(weight, torch.randn(clusters, hidden, generator=generator), assignments,
-                     n_probes=default_n_probes(clusters))
+    head = FlashHead(
+        weight, torch.randn(clusters, hidden, generator=generator), assignments, n_probes=default_n_probes(clusters)
+    )
     h = torch.randn(1, hidden, generator=generator)
     pins, sampled = torch.tensor([0, 1, 2]), np.ones(1, bool)
     t0 = time.perf_counter()
     head.step_logits(h, sampled=sampled, pinned=pins)  # builds the tables
     build = time.perf_counter() - t0
-    print(f"{vocab:,} x {hidden:,}: {clusters:,} clusters, n_probes {head.n_probes}, sampled rows "
-          f"{head.sampled_n_probes} probes and rank {head.sampled_rank}; tables built in {build:.2f} s")
-    steps = {"dense logits": lambda: torch.nn.functional.linear(h, weight),
-             "greedy row": lambda: head.step_logits(h, pinned=pins),
-             "sampled row": lambda: head.step_logits(h, sampled=sampled, pinned=pins)}
+    print(
+        f"{vocab:,} x {hidden:,}: {clusters:,} clusters, n_probes {head.n_probes}, sampled rows "
+        f"{head.sampled_n_probes} probes and rank {head.sampled_rank}; tables built in {build:.2f} s"
+    )
+    steps = {
+        "dense logits": lambda: torch.nn.functional.linear(h, weight),
+        "greedy row": lambda: head.step_logits(h, pinned=pins),
+        "sampled row": lambda: head.step_logits(h, sampled=sampled, pinned=pins),
+    }
     for fn in steps.values():
         fn()
     runs: dict[str, list[float]] = {name: [] for name in steps}
@@ -126,14 +132,17 @@ def speed(vocab: int, hidden: int, rounds: int = 5) -> None:
     dense = runs["dense logits"]
     for name, ms in runs.items():
         ratios = [d / m for d, m in zip(dense, ms)]
-        print(f"  {name}: {statistics.median(ms):.2f} ms, x{statistics.median(ratios):.2f} of dense "
-              f"({min(ratios):.2f}..{max(ratios):.2f} over {rounds} paired rounds)")
+        print(
+            f"  {name}: {statistics.median(ms):.2f} ms, x{statistics.median(ratios):.2f} of dense "
+            f"({min(ratios):.2f}..{max(ratios):.2f} over {rounds} paired rounds)"
+        )
 
 
 def _row(name: str, fraction: float, tv: list) -> str:
     """One table row; ``tv`` holds a mean per setting, or a ``SamplingFidelity`` (mean / p90 / max)."""
-    cells = [f"{x:.4f}" if isinstance(x, float) else f"{x.tv_distance:.4f} / {x.tv_p90:.3f} / {x.tv_max:.3f}"
-             for x in tv]
+    cells = [
+        f"{x:.4f}" if isinstance(x, float) else f"{x.tv_distance:.4f} / {x.tv_p90:.3f} / {x.tv_max:.3f}" for x in tv
+    ]
     return f"| {name} | {fraction:.1%} | " + " | ".join(cells) + " |"
 
 
@@ -144,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=16, help="draws per state for the drawn-clusters design")
     ap.add_argument("--seed", type=int, default=0, help="seed of the drawn-clusters design")
     ap.add_argument("--speed", default=None, metavar="VxH", help="time a step on a random VxH head instead")
-    ap.add_argument("--variants", default="", metavar="P:R,...",
-                    help="more sampled-row settings: probes (or n: the greedy rows' n_probes) and estimate rank")
+    ap.add_argument(
+        "--variants",
+        default="",
+        metavar="P:R,...",
+        help="more sampled-row settings: probes (or n: the greedy rows' n_probes) and estimate rank",
+    )
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -170,19 +183,38 @@ def main(argv: list[str] | None = None) -> int:
     for name, centroids, assignments, n_probes in stages:
         head = FlashHead(fx.weight, centroids, assignments, n_probes=n_probes)
         default_probes, default_rank = head.sampled_n_probes, head.sampled_rank
-        print(f"**{name} stage 1**, n_probes {n_probes} (defaults for sampled rows: {default_probes} probes, "
-              f"rank {default_rank})\n")
+        print(
+            f"**{name} stage 1**, n_probes {n_probes} (defaults for sampled rows: {default_probes} probes, "
+            f"rank {default_rank})\n"
+        )
         print(f"| sampled rows get | scored | {settings} |")
         print("|---|---:|" + "---:|" * len(SAMPLING_SETTINGS))
         greedy_fraction = head.scored_rows_per_step(sampled=False, pinned=len(pinned)) / vocab
-        print(_row(f"{n_probes} clusters drawn ∝ softmax(score), −inf elsewhere (before)", greedy_fraction,
-                   _drawn_clusters_tv(head, hidden, pins, args.draws, args.seed)), flush=True)
-        variants = [(n_probes, 0, f"top {n_probes} clusters, −inf elsewhere (as greedy rows)"),
-                    (default_probes, 0, f"top {default_probes} clusters, −inf elsewhere")]
-        variants += [(p, r, f"top {p} clusters, rank-{r} estimate elsewhere"
-                      + (" **(default)**" if (p, r) == (default_probes, default_rank) else ""))
-                     for p, r in ((default_probes, default_rank), (default_probes, 2 * default_rank),
-                                  (2 * default_probes, default_rank))]
+        print(
+            _row(
+                f"{n_probes} clusters drawn ∝ softmax(score), −inf elsewhere (before)",
+                greedy_fraction,
+                _drawn_clusters_tv(head, hidden, pins, args.draws, args.seed),
+            ),
+            flush=True,
+        )
+        variants = [
+            (n_probes, 0, f"top {n_probes} clusters, −inf elsewhere (as greedy rows)"),
+            (default_probes, 0, f"top {default_probes} clusters, −inf elsewhere"),
+        ]
+        variants += [
+            (
+                p,
+                r,
+                f"top {p} clusters, rank-{r} estimate elsewhere"
+                + (" **(default)**" if (p, r) == (default_probes, default_rank) else ""),
+            )
+            for p, r in (
+                (default_probes, default_rank),
+                (default_probes, 2 * default_rank),
+                (2 * default_probes, default_rank),
+            )
+        ]
         for item in filter(None, args.variants.split(",")):
             probes_text, _, rank_text = item.partition(":")
             probes = n_probes if probes_text == "n" else min(int(probes_text), head.num_clusters)

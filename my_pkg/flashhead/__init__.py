@@ -9,5 +9,12 @@ from .assets import FlashHeadAssetError, load_assets, load_lm_head
 from .clustering import balanced_kmeans
 from .head import FlashHead, default_n_probes, rows_scored
 
-__all__ = ["FlashHead", "FlashHeadAssetError", "load_assets", "load_lm_head", "balanced_kmeans",
-           "default_n_probes", "rows_scored"]
+__all__ = [
+    "FlashHead",
+    "FlashHeadAssetError",
+    "load_assets",
+    "load_lm_head",
+    "balanced_kmeans",
+    "default_n_probes",
+    "rows_scored",
+]

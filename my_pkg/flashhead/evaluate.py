@@ -42,18 +42,33 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from .head import FlashHead, rows_scored
 
-__all__ = ["EvalRow", "evaluate", "dense_agreement", "synthetic_hidden_states", "synthetic_head", "load_hidden_states",
-           "capture_hidden_states", "format_table", "SAMPLING_SETTINGS", "SamplingFidelity", "ServingFidelity",
-           "sampling_distribution", "total_variation", "serving_fidelity", "logit_postprocess",
-           "format_fidelity_table"]
+__all__ = [
+    "EvalRow",
+    "evaluate",
+    "dense_agreement",
+    "synthetic_hidden_states",
+    "synthetic_head",
+    "load_hidden_states",
+    "capture_hidden_states",
+    "format_table",
+    "SAMPLING_SETTINGS",
+    "SamplingFidelity",
+    "ServingFidelity",
+    "sampling_distribution",
+    "total_variation",
+    "serving_fidelity",
+    "logit_postprocess",
+    "format_fidelity_table",
+]
 
 #: (temperature, top_p) settings the sampling fidelity is measured at.
 SAMPLING_SETTINGS: tuple[tuple[float, float], ...] = ((0.7, 0.9), (1.0, 1.0), (1.0, 0.95))
@@ -69,8 +84,9 @@ class EvalRow:
     sampled_ms: float | None = None
 
 
-def synthetic_hidden_states(weight: torch.Tensor, n: int, *, noise: float = 1.0, seed: int = 0,
-                            vocab_size: int | None = None) -> torch.Tensor:
+def synthetic_hidden_states(
+    weight: torch.Tensor, n: int, *, noise: float = 1.0, seed: int = 0, vocab_size: int | None = None
+) -> torch.Tensor:
     """Hidden states that point at a target head row, like a confident LM.
 
     For a random target row ``t``: ``h = scale * (unit(w_t) + noise * g / sqrt(H))`` with
@@ -85,13 +101,14 @@ def synthetic_hidden_states(weight: torch.Tensor, n: int, *, noise: float = 1.0,
     targets = torch.multinomial(norms / norms.sum(), n, replacement=True, generator=g)
     h = weight.shape[1]
     unit = torch.nn.functional.normalize(w[targets], dim=1)
-    hid = unit + noise * torch.randn(n, h, generator=g) / h ** 0.5
-    scale = 3.0 * h ** 0.5 / float(norms.mean())
+    hid = unit + noise * torch.randn(n, h, generator=g) / h**0.5
+    scale = 3.0 * h**0.5 / float(norms.mean())
     return hid * scale
 
 
-def synthetic_head(vocab_size: int, hidden_size: int, *, topics: int | None = None, seed: int = 0,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def synthetic_head(
+    vocab_size: int, hidden_size: int, *, topics: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """A random head with LM-like structure: rows belong to Zipf-sized "topics"
     (shared direction plus per-row noise with a decaying spectrum) and have log-normal norms.
     Generated in chunks; deterministic for the seed."""
@@ -130,8 +147,15 @@ def load_hidden_states(path: str | Path) -> torch.Tensor:
         return f.get_tensor(key).float()
 
 
-def capture_hidden_states(model_dir: str | Path, text: str, *, max_tokens: int = 2048,
-                          device: str = "cpu", chunk: int = 512, progress: bool = False) -> torch.Tensor:
+def capture_hidden_states(
+    model_dir: str | Path,
+    text: str,
+    *,
+    max_tokens: int = 2048,
+    device: str = "cpu",
+    chunk: int = 512,
+    progress: bool = False,
+) -> torch.Tensor:
     """Run the local HF model on ``text`` and return the final (normed) hidden state of every position.
 
     ``output_hidden_states`` ends with the state after the model's final norm for Llama-style models;
@@ -152,13 +176,14 @@ def capture_hidden_states(model_dir: str | Path, text: str, *, max_tokens: int =
     head = model.get_output_embeddings()
     with torch.no_grad():
         for s in tqdm(range(0, ids.numel(), chunk), desc="hidden states", unit="chunk", disable=not progress):
-            piece = ids[s:s + chunk].unsqueeze(0).to(device)
+            piece = ids[s : s + chunk].unsqueeze(0).to(device)
             out = model(piece, output_hidden_states=True)
             hs = out.hidden_states[-1][0]
             if not torch.allclose(head(hs).float(), out.logits[0].float(), rtol=1e-3, atol=1e-3):
                 norm = getattr(getattr(model, "model", None), "norm", None)
-                if norm is None or not torch.allclose(head(norm(hs)).float(), out.logits[0].float(),
-                                                      rtol=1e-3, atol=1e-3):
+                if norm is None or not torch.allclose(
+                    head(norm(hs)).float(), out.logits[0].float(), rtol=1e-3, atol=1e-3
+                ):
                     raise RuntimeError("cannot reproduce the model's logits from its last hidden state")
                 hs = norm(hs)
             outs.append(hs.float().cpu())
@@ -188,16 +213,23 @@ def dense_agreement(head: FlashHead, hidden: torch.Tensor, *, batch: int = 256) 
     weight32 = _float32_weight(head)
     agree = 0
     for s in range(0, hidden.shape[0], batch):
-        h = hidden[s:s + batch]
+        h = hidden[s : s + batch]
         reference = torch.nn.functional.linear(h.float(), weight32)
         pick = head.dense_logits(h.to(head.weight.dtype)).argmax(1, keepdim=True)
         agree += int((reference.gather(1, pick).squeeze(1) >= reference.max(1).values).sum())
     return agree / hidden.shape[0]
 
 
-def evaluate(head: FlashHead, hidden: torch.Tensor, probes: list[int], *, batch: int = 256,
-             time_repeats: int = 5, pinned: torch.Tensor | None = None,
-             postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[EvalRow], float]:
+def evaluate(
+    head: FlashHead,
+    hidden: torch.Tensor,
+    probes: list[int],
+    *,
+    batch: int = 256,
+    time_repeats: int = 5,
+    pinned: torch.Tensor | None = None,
+    postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[list[EvalRow], float]:
     """Sweep ``probes``; return the rows and the dense step time (ms, batch 1).
 
     Timing is of what serving calls: ``head.step_logits`` on one row (greedy, then sampled) with
@@ -214,10 +246,10 @@ def evaluate(head: FlashHead, hidden: torch.Tensor, probes: list[int], *, batch:
     agree = [0] * len(probes)
     contained = [0] * len(probes)
     for s in range(0, hidden.shape[0], batch):
-        reference = torch.nn.functional.linear(hidden[s:s + batch].float(), weight32)
+        reference = torch.nn.functional.linear(hidden[s : s + batch].float(), weight32)
         top5 = torch.topk(reference, 5, dim=1).indices
         best_dense = reference.max(dim=1).values
-        h = served[s:s + batch]
+        h = served[s : s + batch]
         for i, p in enumerate(probes):
             ids, _ = head.candidate_logits(h, head.select_probes(h, n_probes=p))
             agree[i] += int((reference.gather(1, ids.long()).max(1).values >= best_dense).sum())
@@ -233,10 +265,19 @@ def evaluate(head: FlashHead, hidden: torch.Tensor, probes: list[int], *, batch:
         for i, p in enumerate(probes):
             head.n_probes = p
             ms = _time_ms(lambda: head.step_logits(one, pinned=pins, postprocess=postprocess), time_repeats)
-            sampled_ms = _time_ms(lambda: head.step_logits(one, sampled=[True], pinned=pins, postprocess=postprocess),
-                                  time_repeats)
-            rows.append(EvalRow(p, rows_scored(head.num_clusters, p, head.cluster_size), agree[i] / n,
-                                contained[i] / (5 * n), ms, sampled_ms))
+            sampled_ms = _time_ms(
+                lambda: head.step_logits(one, sampled=[True], pinned=pins, postprocess=postprocess), time_repeats
+            )
+            rows.append(
+                EvalRow(
+                    p,
+                    rows_scored(head.num_clusters, p, head.cluster_size),
+                    agree[i] / n,
+                    contained[i] / (5 * n),
+                    ms,
+                    sampled_ms,
+                )
+            )
     finally:
         head.n_probes = kept
     return rows, dense_ms
@@ -244,13 +285,17 @@ def evaluate(head: FlashHead, hidden: torch.Tensor, probes: list[int], *, batch:
 
 def format_table(rows: list[EvalRow], dense_ms: float, vocab_size: int) -> str:
     """Markdown table of an evaluation sweep."""
-    lines = ["| n_probes | scored rows | share of vocab | top-1 agree | top-5 in candidates | greedy ms (B=1) | speed-up "
-             "| sampled ms (B=1) | speed-up |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| n_probes | scored rows | share of vocab | top-1 agree | top-5 in candidates | greedy ms (B=1) | speed-up "
+        "| sampled ms (B=1) | speed-up |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        sampled = (f"{r.sampled_ms:.2f} | {dense_ms / r.sampled_ms:.2f}x" if r.sampled_ms else "n/a | n/a")
-        lines.append(f"| {r.n_probes} | {r.scored_rows:,} | {r.scored_rows / vocab_size:.1%} | {r.top1:.2%} | "
-                     f"{r.top5_in:.2%} | {r.ms:.2f} | {dense_ms / r.ms:.2f}x | {sampled} |")
+        sampled = f"{r.sampled_ms:.2f} | {dense_ms / r.sampled_ms:.2f}x" if r.sampled_ms else "n/a | n/a"
+        lines.append(
+            f"| {r.n_probes} | {r.scored_rows:,} | {r.scored_rows / vocab_size:.1%} | {r.top1:.2%} | "
+            f"{r.top5_in:.2%} | {r.ms:.2f} | {dense_ms / r.ms:.2f}x | {sampled} |"
+        )
     lines.append(f"| dense | {vocab_size:,} | 100% | 100% | 100% | {dense_ms:.2f} | 1.00x | {dense_ms:.2f} | 1.00x |")
     return "\n".join(lines)
 
@@ -330,11 +375,16 @@ def logit_postprocess(config: dict[str, Any]) -> Callable[[torch.Tensor], torch.
     return postprocess
 
 
-def serving_fidelity(head: FlashHead, hidden: torch.Tensor, probes: list[int], *,
-                     pinned: list[int] | tuple[int, ...] = (),
-                     postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                     settings: tuple[tuple[float, float], ...] = SAMPLING_SETTINGS,
-                     batch: int = 256) -> list[ServingFidelity]:
+def serving_fidelity(
+    head: FlashHead,
+    hidden: torch.Tensor,
+    probes: list[int],
+    *,
+    pinned: list[int] | tuple[int, ...] = (),
+    postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    settings: tuple[tuple[float, float], ...] = SAMPLING_SETTINGS,
+    batch: int = 256,
+) -> list[ServingFidelity]:
     """Fidelity of the logits serving hands to vLLM (:meth:`FlashHead.step_logits`) per probe count.
 
     The reference is the dense head in float32 (``postprocess`` applied); FlashHead runs in the
@@ -348,8 +398,9 @@ def serving_fidelity(head: FlashHead, hidden: torch.Tensor, probes: list[int], *
     hidden = hidden.to(device)
     served = hidden.to(head.weight.dtype)
     weight32 = _float32_weight(head)
-    pins = torch.tensor(sorted({int(i) for i in pinned if 0 <= int(i) < head.vocab_size}), dtype=torch.long,
-                        device=device)
+    pins = torch.tensor(
+        sorted({int(i) for i in pinned if 0 <= int(i) < head.vocab_size}), dtype=torch.long, device=device
+    )
     n = hidden.shape[0]
     probes = sorted({min(p, head.num_clusters) for p in probes})
     saved = head.n_probes
@@ -361,8 +412,8 @@ def serving_fidelity(head: FlashHead, hidden: torch.Tensor, probes: list[int], *
             tv: list[list[torch.Tensor]] = [[] for _ in settings]
             sampled = torch.ones(min(batch, n), dtype=torch.bool)
             for s in range(0, n, batch):
-                reference = post(torch.nn.functional.linear(hidden[s:s + batch].float(), weight32))
-                h = served[s:s + batch]
+                reference = post(torch.nn.functional.linear(hidden[s : s + batch].float(), weight32))
+                h = served[s : s + batch]
                 greedy = head.step_logits(h, pinned=pins, postprocess=postprocess)
                 scored = torch.isfinite(greedy)
                 pick = torch.where(scored, reference, float("-inf")).argmax(1, keepdim=True)
@@ -381,16 +432,20 @@ def serving_fidelity(head: FlashHead, hidden: torch.Tensor, probes: list[int], *
                     tv[i].append(total_variation(dense_p, flash_q).cpu())
             vocab = head.vocab_size
             sampled_fraction = head.scored_rows_per_step(sampled=True, pinned=int(pins.numel())) / vocab
-            results.append(ServingFidelity(
-                n_probes=p,
-                scored_fraction=head.scored_rows_per_step(sampled=False, pinned=int(pins.numel())) / vocab,
-                top1_agreement=agree / n,
-                top5_agreement=top5 / (5 * n),
-                stop_token_recall=stop_hits / stop_rows if stop_rows else None,
-                sampled_n_probes=head.sampled_n_probes,
-                sampling=[_sampling_fidelity(t, tp, torch.cat(tv[i]), sampled_fraction)
-                          for i, (t, tp) in enumerate(settings)],
-            ))
+            results.append(
+                ServingFidelity(
+                    n_probes=p,
+                    scored_fraction=head.scored_rows_per_step(sampled=False, pinned=int(pins.numel())) / vocab,
+                    top1_agreement=agree / n,
+                    top5_agreement=top5 / (5 * n),
+                    stop_token_recall=stop_hits / stop_rows if stop_rows else None,
+                    sampled_n_probes=head.sampled_n_probes,
+                    sampling=[
+                        _sampling_fidelity(t, tp, torch.cat(tv[i]), sampled_fraction)
+                        for i, (t, tp) in enumerate(settings)
+                    ],
+                )
+            )
     finally:
         head.n_probes = saved
     return results
@@ -398,22 +453,31 @@ def serving_fidelity(head: FlashHead, hidden: torch.Tensor, probes: list[int], *
 
 def _sampling_fidelity(temperature: float, top_p: float, tv: torch.Tensor, fraction: float) -> SamplingFidelity:
     tv = tv.double()
-    return SamplingFidelity(temperature, top_p, float(tv.mean()), fraction, tv_p90=float(torch.quantile(tv, 0.9)),
-                            tv_max=float(tv.max()))
+    return SamplingFidelity(
+        temperature, top_p, float(tv.mean()), fraction, tv_p90=float(torch.quantile(tv, 0.9)), tv_max=float(tv.max())
+    )
 
 
 def format_fidelity_table(results: list[ServingFidelity]) -> str:
     """Markdown table of :func:`serving_fidelity` results."""
     settings = [(x.temperature, x.top_p) for x in results[0].sampling] if results else []
-    head = ("| n_probes | scored (greedy) | top-1 agree | top-5 scored | stop recall | sampled rows: probes | "
-            "scored (sampled) |")
+    head = (
+        "| n_probes | scored (greedy) | top-1 agree | top-5 scored | stop recall | sampled rows: probes | "
+        "scored (sampled) |"
+    )
     head += "".join(f" TV T={t:g} top_p={tp:g} |" for t, tp in settings)
     lines = [head, "|---:" * (7 + len(settings)) + "|"]
     for r in results:
         stop = "n/a" if r.stop_token_recall is None else f"{r.stop_token_recall:.2%}"
         sampled = f"{r.sampling[0].scored_fraction:.1%}" if r.sampling else "n/a"
-        tvs = "".join(f" {x.tv_distance:.4f} (p90 {x.tv_p90:.3f}, max {x.tv_max:.2f}) |" if x.tv_max is not None
-                      else f" {x.tv_distance:.4f} |" for x in r.sampling)
-        lines.append(f"| {r.n_probes} | {r.scored_fraction:.1%} | {r.top1_agreement:.2%} | {r.top5_agreement:.2%} | "
-                     f"{stop} | {r.sampled_n_probes} | {sampled} |{tvs}")
+        tvs = "".join(
+            f" {x.tv_distance:.4f} (p90 {x.tv_p90:.3f}, max {x.tv_max:.2f}) |"
+            if x.tv_max is not None
+            else f" {x.tv_distance:.4f} |"
+            for x in r.sampling
+        )
+        lines.append(
+            f"| {r.n_probes} | {r.scored_fraction:.1%} | {r.top1_agreement:.2%} | {r.top5_agreement:.2%} | "
+            f"{stop} | {r.sampled_n_probes} | {sampled} |{tvs}"
+        )
     return "\n".join(lines)

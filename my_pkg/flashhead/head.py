@@ -27,7 +27,7 @@ about the head's union of candidates instead of ``B`` times each row's.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -36,8 +36,14 @@ from .kernels import load_backend, resolve_backend, torch_ref
 from .staging import index_tensor
 from .tail_estimate import TailTables, build_tail_tables, default_tail_rank
 
-__all__ = ["FlashHead", "build_members", "default_n_probes", "default_sampled_n_probes", "default_sampled_rescore",
-           "rows_scored"]
+__all__ = [
+    "FlashHead",
+    "build_members",
+    "default_n_probes",
+    "default_sampled_n_probes",
+    "default_sampled_rescore",
+    "rows_scored",
+]
 
 
 def default_n_probes(num_clusters: int) -> int:
@@ -47,8 +53,16 @@ def default_n_probes(num_clusters: int) -> int:
     return max(1, min(num_clusters, max(8, math.ceil(num_clusters / 32))))
 
 
-def rows_scored(num_clusters: int, n_probes: int, cluster_size: int, *, pinned: int = 0, rank: int = 0,
-                hidden_size: int = 1, vocab_size: int = 0) -> int:
+def rows_scored(
+    num_clusters: int,
+    n_probes: int,
+    cluster_size: int,
+    *,
+    pinned: int = 0,
+    rank: int = 0,
+    hidden_size: int = 1,
+    vocab_size: int = 0,
+) -> int:
     """Head rows scored for one row of a step: ``C`` centroids, ``P * cluster_size`` candidates and the
     ``pinned`` ids; a rank-``rank`` tail estimate (sampled rows) adds its ``rank * (H + V)``
     multiply-adds counted in rows of ``H``.  The one formula behind every "rows scored" figure."""
@@ -71,8 +85,9 @@ def default_sampled_rescore(vocab_size: int) -> int:
     return math.ceil(vocab_size / 32)
 
 
-def build_members(assignments: torch.Tensor, num_clusters: int | None = None, *,
-                  allow_empty: bool = False) -> torch.Tensor:
+def build_members(
+    assignments: torch.Tensor, num_clusters: int | None = None, *, allow_empty: bool = False
+) -> torch.Tensor:
     """Cluster map ``[C, cap]`` int64 of token ids from per-token cluster ids.
 
     ``cap`` is the largest cluster size.  Shorter clusters are padded by repeating their
@@ -125,10 +140,19 @@ class FlashHead:
     All methods accept any batch ``B >= 1``; on an accelerator they do no host synchronisation.
     """
 
-    def __init__(self, weight: torch.Tensor, centroids: torch.Tensor, assignments: torch.Tensor, *,
-                 vocab_size: int | None = None, n_probes: int, backend: str = "auto",
-                 sampled_n_probes: int | None = None,
-                 sampled_rank: int | None = None, allow_empty_clusters: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        centroids: torch.Tensor,
+        assignments: torch.Tensor,
+        *,
+        vocab_size: int | None = None,
+        n_probes: int,
+        backend: str = "auto",
+        sampled_n_probes: int | None = None,
+        sampled_rank: int | None = None,
+        allow_empty_clusters: bool = False,
+    ) -> None:
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
         if centroids.dim() != 2 or centroids.shape[1] != weight.shape[1]:
@@ -232,10 +256,12 @@ class FlashHead:
     def extra_memory_bytes(self) -> int:
         """Bytes held beyond the shared head weight (centroids + cluster map, and once a sampled
         row has been served the estimate's tables: ``r`` values per token)."""
-        return (self.centroids.numel() * self.centroids.element_size()
-                + self.members.numel() * self.members.element_size()
-                + (self._token_cluster.numel() * 8 if self._token_cluster is not None else 0)
-                + (self._tail.nbytes if self._tail is not None else 0))
+        return (
+            self.centroids.numel() * self.centroids.element_size()
+            + self.members.numel() * self.members.element_size()
+            + (self._token_cluster.numel() * 8 if self._token_cluster is not None else 0)
+            + (self._tail.nbytes if self._tail is not None else 0)
+        )
 
     # -- API ------------------------------------------------------------------------
     def _check_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -250,18 +276,25 @@ class FlashHead:
         scores = torch_ref.stage1_scores(hidden, self.centroids)
         return torch_ref.select_probes(scores, p)
 
-    def candidate_logits(self, hidden: torch.Tensor, probes: torch.Tensor | None = None,
-                         **select_kw) -> tuple[torch.Tensor, torch.Tensor]:
+    def candidate_logits(
+        self, hidden: torch.Tensor, probes: torch.Tensor | None = None, **select_kw
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(token_ids [B, P*cap] int64, logits [B, P*cap])``: exact logits of every candidate."""
         hidden = self._check_hidden(hidden)
         if probes is None:
             probes = self.select_probes(hidden, **select_kw)
-        return self._kernels().candidate_logits(hidden, self.weight, self.members, probes,
-                                                token_cluster=self._token_cluster)
+        return self._kernels().candidate_logits(
+            hidden, self.weight, self.members, probes, token_cluster=self._token_cluster
+        )
 
-    def step_logits(self, hidden: torch.Tensor, *, sampled: torch.Tensor | np.ndarray | None = None,
-                    pinned: torch.Tensor | None = None,
-                    postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    def step_logits(
+        self,
+        hidden: torch.Tensor,
+        *,
+        sampled: torch.Tensor | np.ndarray | None = None,
+        pinned: torch.Tensor | None = None,
+        postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """``[B, vocab_size]`` logits of one decode step, as serving hands them to the sampler.
 
         Args:
@@ -295,38 +328,52 @@ class FlashHead:
             logits = torch.empty((num_rows, self.vocab_size), dtype=self.weight.dtype, device=hidden.device)
             for rows_sampled in (False, True):
                 index = index_tensor(np.flatnonzero(mask == rows_sampled), hidden.device)
-                part = self._rows_logits(hidden.index_select(0, index), scores.index_select(0, index),
-                                         np.ones(index.numel(), bool) if rows_sampled else None, post)
+                part = self._rows_logits(
+                    hidden.index_select(0, index),
+                    scores.index_select(0, index),
+                    np.ones(index.numel(), bool) if rows_sampled else None,
+                    post,
+                )
                 logits.index_copy_(0, index, part)
         if pinned is not None and pinned.numel():
             pinned_weight = self.weight.index_select(0, pinned)
             logits[:, pinned] = post(torch.nn.functional.linear(hidden.to(self.weight.dtype), pinned_weight)).to(
-                logits.dtype)
+                logits.dtype
+            )
         return logits
 
-    def _rows_logits(self, hidden: torch.Tensor, scores: torch.Tensor, sampled: np.ndarray | None,
-                     post: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _rows_logits(
+        self,
+        hidden: torch.Tensor,
+        scores: torch.Tensor,
+        sampled: np.ndarray | None,
+        post: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         """Step logits before the pinned ids; ``sampled`` marks the sampled rows (None: none).  Probes
         ``sampled_n_probes`` clusters when every row samples, else ``n_probes``; the two are equal, or
         the caller splits the batch."""
         all_sampled = sampled is not None and bool(sampled.all())
         probes = torch_ref.select_probes(scores, self.sampled_n_probes if all_sampled else self._n_probes)
-        ids, exact = self._kernels().candidate_logits(hidden, self.weight, self.members, probes,
-                                                      token_cluster=self._token_cluster)
+        ids, exact = self._kernels().candidate_logits(
+            hidden, self.weight, self.members, probes, token_cluster=self._token_cluster
+        )
         exact = post(exact)
         if all_sampled and self._sampled_rank:
             out = self._estimates(hidden, ids, post, exact.dtype)
         else:
-            out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=exact.dtype,
-                             device=hidden.device)
+            out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device)
             if sampled is not None and self._sampled_rank:
                 index = index_tensor(np.flatnonzero(sampled), hidden.device)
-                out.index_copy_(0, index, self._estimates(hidden.index_select(0, index), ids.index_select(0, index),
-                                                          post, exact.dtype))
+                out.index_copy_(
+                    0,
+                    index,
+                    self._estimates(hidden.index_select(0, index), ids.index_select(0, index), post, exact.dtype),
+                )
         return out.scatter_(1, ids, exact)
 
-    def _estimates(self, hidden: torch.Tensor, ids: torch.Tensor, post: Callable[[torch.Tensor], torch.Tensor],
-                   dtype: torch.dtype) -> torch.Tensor:
+    def _estimates(
+        self, hidden: torch.Tensor, ids: torch.Tensor, post: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
+    ) -> torch.Tensor:
         """``[B, V]`` estimated logits of sampled rows; the ``sampled_rescore`` best-estimated tokens outside
         the candidates ``ids`` are scored exactly (the tail tokens most likely to carry mass)."""
         raw = self._tail_tables().estimates(hidden)
@@ -344,9 +391,15 @@ class FlashHead:
         (:func:`rows_scored`)."""
         if not sampled:
             return rows_scored(self.num_clusters, self._n_probes, self.cluster_size, pinned=pinned)
-        return rows_scored(self.num_clusters, self.sampled_n_probes, self.cluster_size,
-                           pinned=pinned + (self._sampled_rescore if self._sampled_rank else 0),
-                           rank=self._sampled_rank, hidden_size=self.hidden_size, vocab_size=self.vocab_size)
+        return rows_scored(
+            self.num_clusters,
+            self.sampled_n_probes,
+            self.cluster_size,
+            pinned=pinned + (self._sampled_rescore if self._sampled_rank else 0),
+            rank=self._sampled_rank,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+        )
 
     def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, vocab_size]`` reference logits of the full head."""
@@ -354,9 +407,11 @@ class FlashHead:
         return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight[: self.vocab_size])
 
     def __repr__(self) -> str:
-        return (f"FlashHead(vocab_size={self.vocab_size}, hidden_size={self.hidden_size}, "
-                f"num_clusters={self.num_clusters}, cluster_size={self.cluster_size}, "
-                f"n_probes={self.n_probes}, backend={self.backend!r})")
+        return (
+            f"FlashHead(vocab_size={self.vocab_size}, hidden_size={self.hidden_size}, "
+            f"num_clusters={self.num_clusters}, cluster_size={self.cluster_size}, "
+            f"n_probes={self.n_probes}, backend={self.backend!r})"
+        )
 
 
 def _identity(logits: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,9 @@ instead of row by row; a backend may ignore it.  Registered here:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 __all__ = ["Backend", "register_backend", "backend_names", "resolve_backend", "load_backend", "triton_available"]
 
@@ -33,7 +33,7 @@ def triton_available() -> bool:
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
-    except Exception:  # pragma: no cover - environment dependent
+    except Exception:  # noqa: BLE001 - a broken Triton install raises more than ImportError
         return False
     return True
 
@@ -51,8 +51,9 @@ class Backend:
 _BACKENDS: dict[str, Backend] = {}
 
 
-def register_backend(name: str, module: str, *, available: Callable[[], bool] = lambda: True,
-                     auto_devices: tuple[str, ...] = ()) -> None:
+def register_backend(
+    name: str, module: str, *, available: Callable[[], bool] = lambda: True, auto_devices: tuple[str, ...] = ()
+) -> None:
     """Register ``module`` (imported lazily) as backend ``name``; ``auto`` picks it for ``auto_devices``."""
     if name == "auto":
         raise ValueError("'auto' is not a backend name")

@@ -68,12 +68,17 @@ def _sparse_supported(dtype: torch.dtype) -> bool:
             h = torch.randn(1, 4).to(dtype)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                a = torch.sparse_csr_tensor(torch.tensor([0, 2]), torch.tensor([5, 1]), torch.zeros(2, dtype=dtype),
-                                            size=(1, 8), check_invariants=False)
+                a = torch.sparse_csr_tensor(
+                    torch.tensor([0, 2]),
+                    torch.tensor([5, 1]),
+                    torch.zeros(2, dtype=dtype),
+                    size=(1, 8),
+                    check_invariants=False,
+                )
                 out = torch.sparse.sampled_addmm(a, h, w.t(), beta=0.0).values()
-            ref = (w[[5, 1]].float() @ h[0].float())
+            ref = w[[5, 1]].float() @ h[0].float()
             ok = bool(torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-2))
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure means: do not use the sparse kernel
             ok = False
         _SPARSE_OK[dtype] = ok
     return ok
@@ -84,9 +89,13 @@ def _logits_sparse(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor
     crow = torch.arange(0, (b + 1) * n, n, dtype=torch.int64, device=ids.device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pattern = torch.sparse_csr_tensor(crow, ids.reshape(-1), torch.zeros(b * n, dtype=weight.dtype,
-                                          device=ids.device), size=(b, weight.shape[0]),
-                                          check_invariants=False)
+        pattern = torch.sparse_csr_tensor(
+            crow,
+            ids.reshape(-1),
+            torch.zeros(b * n, dtype=weight.dtype, device=ids.device),
+            size=(b, weight.shape[0]),
+            check_invariants=False,
+        )
         out = torch.sparse.sampled_addmm(pattern, hidden, weight.t(), beta=0.0, alpha=1.0)
     return out.values().view(b, n)
 
@@ -97,8 +106,9 @@ def _logits_gather(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor
     return torch.bmm(rows, hidden.unsqueeze(2)).squeeze(2)
 
 
-def _logits_blocked(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
-                    block_rows: int | None = None) -> torch.Tensor:
+def _logits_blocked(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_rows: int | None = None
+) -> torch.Tensor:
     """``[B, N]`` logits ``weight[ids[b, j]] . hidden[b]`` in the weight's dtype, for CPU dtypes
     without ``sampled_addmm``: per row, blocks of at most ``block_rows`` candidate rows
     (default: ``_CPU_GATHER_BLOCK_BYTES`` worth) are gathered and scored by one ``mm``."""
@@ -108,7 +118,7 @@ def _logits_blocked(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     block_rows = max(1, block_rows)
     out = torch.empty((b, n), dtype=weight.dtype, device=weight.device)
     for row in range(b):
-        column = hidden[row:row + 1].t()
+        column = hidden[row : row + 1].t()
         for start in range(0, n, block_rows):
             stop = min(n, start + block_rows)
             # One expression, so each gathered block is freed before the next one is allocated
@@ -117,8 +127,9 @@ def _logits_blocked(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     return out
 
 
-def _logits_grouped(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor,
-                    token_cluster: torch.Tensor) -> torch.Tensor:
+def _logits_grouped(
+    hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor, token_cluster: torch.Tensor
+) -> torch.Tensor:
     """``[B, P*cap]`` logits as :func:`_logits_sparse` gives them, computed cluster by cluster.
 
     The pattern is ``[V', B]``: head row ``v`` holds the batch rows that probe ``v``'s cluster, so
@@ -146,16 +157,26 @@ def _logits_grouped(hidden: torch.Tensor, weight: torch.Tensor, members: torch.T
     cols = (order // p)[starts[token_cluster[row_of]] + within]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pattern = torch.sparse_csr_tensor(crow, cols, torch.zeros(nnz, dtype=weight.dtype, device=device),
-                                          size=(weight.shape[0], b), check_invariants=False)
+        pattern = torch.sparse_csr_tensor(
+            crow,
+            cols,
+            torch.zeros(nnz, dtype=weight.dtype, device=device),
+            size=(weight.shape[0], b),
+            check_invariants=False,
+        )
         values = torch.sparse.sampled_addmm(pattern, weight, hidden.t(), beta=0.0, alpha=1.0).values()
     index = crow[members[probes]] + rank.view(b, p, 1)  # [B, P, cap]: each candidate's place in ``values``
     return values[index.reshape(b, p * cap)]
 
 
-def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor,
-                     probes: torch.Tensor, *, token_cluster: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def candidate_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    members: torch.Tensor,
+    probes: torch.Tensor,
+    *,
+    token_cluster: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact logits of every candidate: ``(token_ids [B, P*cap], logits [B, P*cap])``.
 
     ``token_cluster`` (``[V']``, each head row's cluster, ``C`` for none) lets a CPU batch be scored
@@ -184,8 +205,13 @@ def _tokens_grouped(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     torch.cumsum(torch.bincount(rows, minlength=weight.shape[0]), 0, out=crow[1:])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pattern = torch.sparse_csr_tensor(crow, keys - rows * b, torch.zeros(keys.numel(), dtype=weight.dtype,
-                                          device=device), size=(weight.shape[0], b), check_invariants=False)
+        pattern = torch.sparse_csr_tensor(
+            crow,
+            keys - rows * b,
+            torch.zeros(keys.numel(), dtype=weight.dtype, device=device),
+            size=(weight.shape[0], b),
+            check_invariants=False,
+        )
         values = torch.sparse.sampled_addmm(pattern, weight, hidden.t(), beta=0.0, alpha=1.0).values()
     out = torch.empty(b * n, dtype=weight.dtype, device=device)
     out[order] = values

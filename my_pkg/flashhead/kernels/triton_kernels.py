@@ -18,8 +18,20 @@ _BLOCK_H = 128
 
 
 @triton.jit
-def _cluster_dot(hidden_ptr, weight_ptr, members_ptr, row, cluster, stride_hb, stride_wv, stride_mc, H,
-                 CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _cluster_dot(
+    hidden_ptr,
+    weight_ptr,
+    members_ptr,
+    row,
+    cluster,
+    stride_hb,
+    stride_wv,
+    stride_mc,
+    H,
+    CAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < CAP
     tok = tl.load(members_ptr + cluster * stride_mc + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -28,21 +40,37 @@ def _cluster_dot(hidden_ptr, weight_ptr, members_ptr, row, cluster, stride_hb, s
         offs_h = k + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
         x = tl.load(hidden_ptr + row * stride_hb + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-        w = tl.load(weight_ptr + tok[:, None] * stride_wv + offs_h[None, :],
-                    mask=m_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(
+            weight_ptr + tok[:, None] * stride_wv + offs_h[None, :], mask=m_mask[:, None] & h_mask[None, :], other=0.0
+        ).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     return tok, acc, m_mask
 
 
 @triton.jit
-def _candidate_logits_kernel(hidden_ptr, weight_ptr, members_ptr, probes_ptr, ids_ptr, logits_ptr,
-                             stride_hb, stride_wv, stride_mc, stride_pb, stride_ob, H,
-                             CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _candidate_logits_kernel(
+    hidden_ptr,
+    weight_ptr,
+    members_ptr,
+    probes_ptr,
+    ids_ptr,
+    logits_ptr,
+    stride_hb,
+    stride_wv,
+    stride_mc,
+    stride_pb,
+    stride_ob,
+    H,
+    CAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
     cluster = tl.load(probes_ptr + row * stride_pb + p).to(tl.int64)
-    tok, acc, m_mask = _cluster_dot(hidden_ptr, weight_ptr, members_ptr, row, cluster, stride_hb, stride_wv,
-                                    stride_mc, H, CAP, BLOCK_M, BLOCK_H)
+    tok, acc, m_mask = _cluster_dot(
+        hidden_ptr, weight_ptr, members_ptr, row, cluster, stride_hb, stride_wv, stride_mc, H, CAP, BLOCK_M, BLOCK_H
+    )
     offs = row * stride_ob + p * CAP + tl.arange(0, BLOCK_M)
     tl.store(logits_ptr + offs, acc.to(logits_ptr.dtype.element_ty), mask=m_mask)
     tl.store(ids_ptr + offs, tok, mask=m_mask)
@@ -58,18 +86,35 @@ def _prep(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, pro
     return hidden, members, probes, cap, triton.next_power_of_2(cap)
 
 
-def candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor,
-                     probes: torch.Tensor, *, token_cluster: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def candidate_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    members: torch.Tensor,
+    probes: torch.Tensor,
+    *,
+    token_cluster: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact logits of every candidate: ``(token_ids [B, P*cap] int64, logits [B, P*cap])``
     (``token_cluster`` is not needed: one program per (row, probe) reads each cluster in place)."""
     hidden, members, probes, cap, block_m = _prep(hidden, weight, members, probes)
     b, p = probes.shape
     ids = torch.empty(b, p * cap, dtype=torch.int64, device=weight.device)
     logits = torch.empty(b, p * cap, dtype=weight.dtype, device=weight.device)
-    _candidate_logits_kernel[(b, p)](hidden, weight, members, probes, ids, logits,
-                                     hidden.stride(0), weight.stride(0), members.stride(0), probes.stride(0),
-                                     logits.stride(0), hidden.shape[1],
-                                     CAP=cap, BLOCK_M=block_m, BLOCK_H=_BLOCK_H)
+    _candidate_logits_kernel[(b, p)](
+        hidden,
+        weight,
+        members,
+        probes,
+        ids,
+        logits,
+        hidden.stride(0),
+        weight.stride(0),
+        members.stride(0),
+        probes.stride(0),
+        logits.stride(0),
+        hidden.shape[1],
+        CAP=cap,
+        BLOCK_M=block_m,
+        BLOCK_H=_BLOCK_H,
+    )
     return ids, logits
-

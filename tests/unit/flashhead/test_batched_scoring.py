@@ -51,15 +51,14 @@ def test_grouped_candidate_logits_equal_the_row_by_row_ones_bit_for_bit(monkeypa
 def test_step_logits_of_a_batch_equal_the_row_by_row_path_bit_for_bit(monkeypatch, sampled):
     head = _head()
     hidden = _hidden(16, seed=3)
-    mask = {"greedy": np.zeros(16, bool), "sampled": np.ones(16, bool),
-            "mixed": np.arange(16) % 3 == 0}[sampled]
+    mask = {"greedy": np.zeros(16, bool), "sampled": np.ones(16, bool), "mixed": np.arange(16) % 3 == 0}[sampled]
     pinned = torch.tensor([0, 7, VOCAB - 1])
     got = head.step_logits(hidden, sampled=mask, pinned=pinned)
     want = _row_by_row(monkeypatch, lambda: head.step_logits(hidden, sampled=mask, pinned=pinned))
     assert torch.equal(got, want)
     # Each row as it would be served alone: the same candidates, the same exact logits on them.
     for row in range(16):
-        alone = head.step_logits(hidden[row:row + 1], sampled=mask[row:row + 1], pinned=pinned)[0]
+        alone = head.step_logits(hidden[row : row + 1], sampled=mask[row : row + 1], pinned=pinned)[0]
         finite = torch.isfinite(alone)
         assert torch.equal(finite, torch.isfinite(got[row]))
         torch.testing.assert_close(got[row][finite], alone[finite], rtol=1e-5, atol=1e-5)

@@ -132,8 +132,9 @@ def test_bench_rounds_report_median_and_spread():
     cpu = torch.device("cpu")
     assert bench.section_name(cpu, torch.float32) == "head"
     assert bench.section_name(cpu, torch.bfloat16) == "head-bfloat16"
-    result = bench.bench_shape(40, 512, [1, 3], cpu, torch.bfloat16, 4, repeats=1, min_time=0.0, rounds=3,
-                               kinds=bench.KINDS, pinned=3)
+    result = bench.bench_shape(
+        40, 512, [1, 3], cpu, torch.bfloat16, 4, repeats=1, min_time=0.0, rounds=3, kinds=bench.KINDS, pinned=3
+    )
     for row in result["rows"]:
         assert row["dense"] > 0
         for kind in row["kinds"].values():

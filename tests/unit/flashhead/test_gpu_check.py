@@ -17,16 +17,24 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not ins
 
 
 def _run(code: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
 
 
 def _run_script_without_vllm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     # `sys.modules["vllm"] = None` makes any vLLM import raise, so a pass proves the script never imports it.
-    code = ("import runpy, sys\n"
-            "sys.modules['vllm'] = None\n"
-            f"sys.argv = [{str(SCRIPT)!r}, *{list(args)!r}]\n"
-            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['vllm'] = None\n"
+        f"sys.argv = [{str(SCRIPT)!r}, *{list(args)!r}]\n"
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+    )
     return _run(code, env)
 
 

@@ -48,8 +48,14 @@ def _head(backend: str, vocab: int, hidden: int, pad: int, probes: int, dtype: t
     weight = torch.randn(vocab + pad, hidden, generator=g).to(dtype)
     assignments = random_balanced_assignment(vocab, 16, seed=hidden)
     clusters = int(assignments.max()) + 1
-    return FlashHead(weight, torch.randn(clusters, hidden, generator=g), assignments, vocab_size=vocab,
-                     n_probes=min(probes, clusters), backend=backend)
+    return FlashHead(
+        weight,
+        torch.randn(clusters, hidden, generator=g),
+        assignments,
+        vocab_size=vocab,
+        n_probes=min(probes, clusters),
+        backend=backend,
+    )
 
 
 def _violations(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> int:
@@ -76,7 +82,6 @@ def check_case(backend: str, shape: tuple[int, ...], dtype: torch.dtype) -> None
     assert torch.equal(torch.isfinite(step), finite)
 
 
-
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "V{}xH{}+{}_B{}_P{}".format(*s))
 @pytest.mark.parametrize("backend", BACKEND_CASES)
@@ -86,13 +91,21 @@ def test_candidate_logits_match_float_math(backend, shape, dtype):
         return
     if not triton_available():
         pytest.skip("triton not installed")
-    code = (f"import sys, runpy, torch; sys.modules['vllm'] = None\n"
-            f"check = runpy.run_path({__file__!r})['check_case']\n"
-            f"check({backend!r}, {tuple(shape)!r}, torch.{str(dtype).removeprefix('torch.')})\n"
-            "print('case passed')\n")
+    code = (
+        f"import sys, runpy, torch; sys.modules['vllm'] = None\n"
+        f"check = runpy.run_path({__file__!r})['check_case']\n"
+        f"check({backend!r}, {tuple(shape)!r}, torch.{str(dtype).removeprefix('torch.')})\n"
+        "print('case passed')\n"
+    )
     root = Path(__file__).resolve().parents[3]
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
-                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)},
+    )
     assert proc.returncode == 0 and "case passed" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 

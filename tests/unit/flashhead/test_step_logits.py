@@ -80,7 +80,7 @@ def test_the_low_rank_head_keeps_almost_all_the_energy_an_exact_svd_keeps(rank):
     weight = _head().weight[:VOCAB]
     singular = torch.linalg.svdvals(weight)
     tables = build_tail_tables(weight, VOCAB, rank)
-    kept = float((tables.projected ** 2).sum())  # ||W B||^2
+    kept = float((tables.projected**2).sum())  # ||W B||^2
     assert kept <= float((singular[:rank] ** 2).sum()) * (1 + 1e-5)
     assert kept >= 0.99 * float((singular[:rank] ** 2).sum())
     with pytest.raises(ValueError, match="rank"):
@@ -113,8 +113,8 @@ def test_mixed_batch_rows_equal_the_rows_computed_alone_and_are_deterministic():
     pinned = torch.tensor([7, 300])
     logits = head.step_logits(hidden, sampled=sampled, pinned=pinned)
     for row in range(5):
-        alone = head.step_logits(hidden[row:row + 1], sampled=sampled[row:row + 1], pinned=pinned)
-        torch.testing.assert_close(logits[row:row + 1], alone, rtol=1e-5, atol=1e-5)
+        alone = head.step_logits(hidden[row : row + 1], sampled=sampled[row : row + 1], pinned=pinned)
+        torch.testing.assert_close(logits[row : row + 1], alone, rtol=1e-5, atol=1e-5)
         assert torch.isfinite(logits[row]).all() == bool(sampled[row])
     assert torch.equal(logits, head.step_logits(hidden, sampled=torch.from_numpy(sampled), pinned=pinned))
 
@@ -216,8 +216,11 @@ def test_the_best_estimated_tail_tokens_are_rescored_exactly():
         rescored = torch.zeros(VOCAB, dtype=torch.bool)
         rescored[best] = True
         torch.testing.assert_close(logits[row][~tail | rescored], dense[row][~tail | rescored])
-        torch.testing.assert_close(logits[row][tail & ~rescored], estimates[row][tail & ~rescored], rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(
+            logits[row][tail & ~rescored], estimates[row][tail & ~rescored], rtol=1e-3, atol=1e-3
+        )
     assert head.scored_rows_per_step(sampled=True) == head.scored_rows_per_step(sampled=False) + 20 + math.ceil(
-        head.sampled_rank * (HIDDEN + VOCAB) / HIDDEN)
+        head.sampled_rank * (HIDDEN + VOCAB) / HIDDEN
+    )
     with pytest.raises(ValueError):
         head.sampled_rescore = -1
