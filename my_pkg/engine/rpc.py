@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import os
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -22,15 +23,15 @@ from my_pkg.contract import (
     CONFIG_SECTIONS,
     AuditReply,
     CommitReply,
-    LeaseReply,
-    PrepareReply,
-    SettingsValues,
-    Transaction,
     FlashHeadState,
     FlashHeadStatus,
     FlashHeadUpdate,
+    LeaseReply,
     MemoryInfo,
     PingReply,
+    PrepareReply,
+    SettingsValues,
+    Transaction,
     ValidationReply,
     WorkerConfig,
     WorkerIdentity,
