@@ -250,3 +250,47 @@ def test_a_drafter_being_built_gets_no_controller():
     for tag in ("eagle_head", "draft_model"):
         with set_model_tag(tag):
             assert logits_processor._building_drafter()
+
+
+def test_vllms_rejection_sampler_emits_the_pinned_rows_own_law(controller):
+    """vLLM's real rejection sampler (CPU kernels) on a sampled verify row with its draft pinned: the
+    emitted token's law is the row's FlashHead distribution with the draft exact (docs: speculative
+    decoding), measurably not the unpinned one."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import rejection_sample
+
+    current_platform.register_triton_kernel_overrides()  # as vLLM's CPU worker does: its C++ kernels
+    torch.manual_seed(3)
+    hidden = torch.randn(2, HIDDEN) * 3
+    weight = controller.head.weight
+    dense = hidden @ weight.T
+    unpinned = _serve(controller, hidden, StepRows(np.zeros(2, np.uint8), np.ones(2, bool)))[0]
+    exact_here = torch.isclose(unpinned, dense[0])
+    outside = torch.where(exact_here, torch.full_like(dense[0], -torch.inf), dense[0])
+    d = int(outside.argmax())  # the likeliest token whose logit FlashHead only estimated
+    rows = model_runner.spec_step_rows(
+        StepRows(np.zeros(1, np.uint8), np.ones(1, bool)), np.array([1]), torch.tensor([d], dtype=torch.int32)
+    )
+    verify = _serve(controller, hidden, rows)[0]
+    law = verify.float().softmax(-1)
+    assert torch.isclose(verify[d], dense[0, d])
+
+    draws = 40_000
+    metadata = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.ones(draws), generators={})
+    out = rejection_sample(
+        torch.full((draws,), d, dtype=torch.int32),
+        [1] * draws,
+        1,
+        torch.arange(1, draws + 1, dtype=torch.int32),
+        None,
+        verify.float().expand(draws, -1).contiguous(),
+        torch.zeros((draws, 1), dtype=torch.int32),
+        metadata,
+    )
+    emitted = torch.bincount(out[:, 0].long(), minlength=VOCAB).float() / draws
+    sigma = float((law[d] * (1 - law[d]) / draws).sqrt())
+    assert abs(float(emitted[d] - law[d])) < 5 * sigma + 1e-4
+    assert 0.5 * float((emitted - law).abs().sum()) < 0.05
+    unpinned_law = unpinned.float().softmax(-1)
+    assert abs(float(unpinned_law[d] - law[d])) > 10 * sigma  # the estimate was off enough to tell them apart
+    assert abs(float(emitted[d] - unpinned_law[d])) > 5 * sigma
