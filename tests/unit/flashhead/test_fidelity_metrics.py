@@ -9,8 +9,13 @@ import torch
 
 from my_pkg.flashhead import FlashHead
 from my_pkg.flashhead.clustering import random_balanced_assignment
-from my_pkg.flashhead.evaluate import (logit_postprocess, sampling_distribution, serving_fidelity,
-                                       synthetic_hidden_states, total_variation)
+from my_pkg.flashhead.evaluate import (
+    logit_postprocess,
+    sampling_distribution,
+    serving_fidelity,
+    synthetic_hidden_states,
+    total_variation,
+)
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 0.9), (1.0, 1.0), (1.0, 0.95), (1.3, 0.5)])
@@ -79,11 +84,13 @@ def test_serving_fidelity_matches_a_direct_computation():
     sampled = head.step_logits(hidden, sampled=torch.ones(300, dtype=torch.bool), pinned=torch.tensor([eos]))
     assert [(s.temperature, s.top_p) for s in result.sampling] == [(0.7, 0.9), (1.0, 1.0), (1.0, 0.95)]
     for s in result.sampling:
-        tv = total_variation(sampling_distribution(dense, s.temperature, s.top_p),
-                             sampling_distribution(sampled, s.temperature, s.top_p)).mean()
+        tv = total_variation(
+            sampling_distribution(dense, s.temperature, s.top_p), sampling_distribution(sampled, s.temperature, s.top_p)
+        ).mean()
         assert s.tv_distance == pytest.approx(float(tv), rel=1e-4)
         rank_rows = math.ceil(head.sampled_rank * (24 + 320) / 24)  # the residual term, in rows of the head
-        assert s.scored_fraction == pytest.approx((20 + head.sampled_n_probes * 16 + 1 + rank_rows) / 320)
+        rescored = head.sampled_rescore  # the best-estimated tail tokens, scored exactly
+        assert s.scored_fraction == pytest.approx((20 + head.sampled_n_probes * 16 + 1 + rank_rows + rescored) / 320)
         assert 0.0 < s.tv_distance < 1.0
 
 
