@@ -11,7 +11,8 @@ and maximum over the held-out states, with the scored fraction of a sampled row.
   expectation estimated from ``--draws`` draws per state), ``-inf`` elsewhere;
 * the top ``n_probes`` clusters, ``-inf`` elsewhere (what greedy rows get);
 * serving's sampled rows (``FlashHead.step_logits``) at the defaults and at other probe counts / ranks
-  (``--variants P:R,...`` adds more; ``P`` may be ``n`` for the greedy rows' ``n_probes``).
+  (``--variants P:R[:K],...`` adds more: probes, estimate rank, rescored tail tokens (default: the
+  head's); ``P`` may be ``n`` for the greedy rows' ``n_probes``).
 
 With ``--speed VxH`` it instead times one decode step at batch 1 on a random head of that shape
 (random balanced clusters, builder-default ``n_probes``): the dense logits, a greedy row and a
@@ -156,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variants",
         default="",
-        metavar="P:R,...",
-        help="more sampled-row settings: probes (or n: the greedy rows' n_probes) and estimate rank",
+        metavar="P:R[:K],...",
+        help="more sampled-row settings: probes (or n: the greedy rows' n_probes), estimate rank and "
+        "rescored tail tokens (default: the head's)",
     )
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -182,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = " | ".join(f"TV T={t:g} top_p={p:g} (mean / p90 / max)" for t, p in SAMPLING_SETTINGS)
     for name, centroids, assignments, n_probes in stages:
         head = FlashHead(fx.weight, centroids, assignments, n_probes=n_probes)
-        default_probes, default_rank = head.sampled_n_probes, head.sampled_rank
+        default_probes, default_rank, default_rescore = head.sampled_n_probes, head.sampled_rank, head.sampled_rescore
         print(
             f"**{name} stage 1**, n_probes {n_probes} (defaults for sampled rows: {default_probes} probes, "
-            f"rank {default_rank})\n"
+            f"rank {default_rank}, {default_rescore} rescored tokens)\n"
         )
         print(f"| sampled rows get | scored | {settings} |")
         print("|---|---:|" + "---:|" * len(SAMPLING_SETTINGS))
@@ -199,14 +201,15 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         variants = [
-            (n_probes, 0, f"top {n_probes} clusters, −inf elsewhere (as greedy rows)"),
-            (default_probes, 0, f"top {default_probes} clusters, −inf elsewhere"),
+            (n_probes, 0, 0, f"top {n_probes} clusters, −inf elsewhere (as greedy rows)"),
+            (default_probes, 0, 0, f"top {default_probes} clusters, −inf elsewhere"),
         ]
         variants += [
             (
                 p,
                 r,
-                f"top {p} clusters, rank-{r} estimate elsewhere"
+                default_rescore,
+                f"top {p} clusters, rank-{r} estimate elsewhere, {default_rescore} rescored"
                 + (" **(default)**" if (p, r) == (default_probes, default_rank) else ""),
             )
             for p, r in (
@@ -216,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         ]
         for item in filter(None, args.variants.split(",")):
-            probes_text, _, rank_text = item.partition(":")
+            probes_text, rank_text, *rest = item.split(":")
             probes = n_probes if probes_text == "n" else min(int(probes_text), head.num_clusters)
-            variants.append((probes, int(rank_text), f"top {probes} clusters, rank-{rank_text} estimate elsewhere"))
-        for probes, rank, label in variants:
-            head.sampled_n_probes, head.sampled_rank = probes, rank
+            rescore = int(rest[0]) if rest else default_rescore
+            label = f"top {probes} clusters, rank-{rank_text} estimate elsewhere, {rescore} rescored"
+            variants.append((probes, int(rank_text), rescore, label))
+        for probes, rank, rescore, label in variants:
+            head.sampled_n_probes, head.sampled_rank, head.sampled_rescore = probes, rank, rescore
             (result,) = serving_fidelity(head, hidden, [n_probes], pinned=pinned)
             print(_row(label, result.sampling[0].scored_fraction, result.sampling), flush=True)
         print()
