@@ -77,7 +77,9 @@ def mutation(key: str, what: str) -> Callable[[F], F]:
             state: AdminState = kwargs["state"]
             state.check_engine_alive()
             if state.in_flight.running(key):
-                error = update_in_progress_error(_body_of(kwargs), holder=state.identity)
+                last = state.last_status()  # the version as last seen here: this refusal asks no engine
+                error = update_in_progress_error(_body_of(kwargs), holder=state.identity,
+                                                 version=last.settings_version if last is not None else None)
                 record_refusal(request, error.status_code, error.message)
                 raise error
             who = caller(request)

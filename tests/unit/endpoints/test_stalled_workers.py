@@ -75,7 +75,7 @@ async def test_an_update_whose_wait_expires_is_still_applied_on_every_worker(sta
     assert "still pending" in err["note"]
     # A second update while the first is unanswered is refused, not queued behind it.
     busy = assert_error(await c.put(FLASHHEAD, json={"n_probes": 5}), 409, "update_in_progress")
-    assert busy["update"] == {"n_probes": 5}
+    assert busy["update"] == {"n_probes": 5} and "settings_version" in busy  # as last seen (none yet here)
     await _settle(handler)
     assert engine.methods[:2] == ["my_pkg_flashhead_prepare", "my_pkg_flashhead_commit"]
     assert [fh["n_probes"] for fh in engine.fh] == [3, 3]
