@@ -52,14 +52,17 @@ def _status(http) -> dict:
     return response.json()["workers"][0]
 
 
+def _total(http, name: str) -> float:
+    """The sum of one of vLLM's own counters over its label sets."""
+    text = http.get("/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
 def _spec_counts(http) -> tuple[float, float]:
     """vLLM's own (accepted, drafted) token counters."""
-    text = http.get("/metrics").text
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-    return total("vllm:spec_decode_num_accepted_tokens_total"), total("vllm:spec_decode_num_draft_tokens_total")
+    return _total(http, "vllm:spec_decode_num_accepted_tokens_total"), _total(
+        http, "vllm:spec_decode_num_draft_tokens_total"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +119,19 @@ def test_sampled_verify_rows_score_their_drafts_exactly(ngram_server: VllmServer
 def test_acceptance_with_the_dense_head_on_the_same_server(ngram_server: VllmServer):
     """Not a target, a figure: vLLM's acceptance with FlashHead off, then on, on the same prompts."""
     with client(ngram_server) as http:
-        figures = {}
         for enabled in (False, True):
             response = http.put(FLASHHEAD, json={"enabled": enabled}, headers=auth(ADMIN_TOKEN))
             assert response.status_code == 200, response.text
             accepted0, drafted0 = _spec_counts(http)
+            steps0 = _total(http, "vllm:spec_decode_num_drafts_total")
             for prompt in PROMPTS:
                 _tokens(http, prompt)
             accepted1, drafted1 = _spec_counts(http)
-            figures["flashhead" if enabled else "dense"] = (accepted1 - accepted0) / max(drafted1 - drafted0, 1)
+            steps = _total(http, "vllm:spec_decode_num_drafts_total") - steps0
+            accepted, drafted = accepted1 - accepted0, drafted1 - drafted0
+            print(
+                f"\nn-gram, greedy, {len(PROMPTS)} prompts, {'FlashHead verify' if enabled else 'dense head'}: "
+                f"acceptance {accepted / max(drafted, 1):.3f} ({accepted:.0f}/{drafted:.0f}), "
+                f"tokens per drafted step {1 + accepted / max(steps, 1):.2f} ({steps:.0f} steps)"
+            )
         assert _status(http)["active"]
-        print(
-            f"\nn-gram acceptance (greedy, {len(PROMPTS)} prompts): dense {figures['dense']:.3f}, "
-            f"FlashHead verify {figures['flashhead']:.3f}"
-        )
