@@ -45,19 +45,19 @@ test-e2e: setup
 	$(VPY) -m pytest -ra tests/e2e
 
 bench-head: setup
-	$(VPY) bench/head.py
+	$(VPY) -m bench.head
 
 bench-serve: setup
-	$(VPY) bench/serve.py
+	$(VPY) -m bench.serve
 
 bench-admin: setup
-	$(VPY) bench/admin_load.py
+	$(VPY) -m bench.admin_load
 
 # Neither needs vLLM installed nor `make setup`: they use the .venv's Python when there is one.
 # gpu-check: a CUDA machine with torch and Triton; compat: only pip (it reads the wheel, installs nothing).
 TOOL_PY ?= $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
 gpu-check:
-	$(TOOL_PY) bench/gpu_check.py
+	$(TOOL_PY) -m bench.gpu_check
 
 compat:
 	$(TOOL_PY) -m my_pkg.devtools.compat --vllm-version 0.33.0

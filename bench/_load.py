@@ -41,7 +41,7 @@ PROMPTS = [
     "one two three four five six seven eight nine",
     "hello world this is a long story about a small house near the sea",
     "they said that the man would go back to the farm after the night",
-    "{ \" name \" : \" hello \" , \" age \" : 7 }",
+    '{ " name " : " hello " , " age " : 7 }',
     "some people think the animal can live in the tree by the river",
     "my mother made food for every boy and girl at the school",
 ]
@@ -49,19 +49,44 @@ PROMPTS = [
 
 # ---- models and servers ----------------------------------------------------------------------
 
-def prepare_flashhead_model(work_dir: Path, name: str, spec: TinyLlamaSpec, *, iterations: int,
-                            n_probes: int | None = None, cluster_size: int = 16) -> Path:
+
+def prepare_flashhead_model(
+    work_dir: Path,
+    name: str,
+    spec: TinyLlamaSpec,
+    *,
+    iterations: int,
+    n_probes: int | None = None,
+    cluster_size: int = 16,
+) -> Path:
     """Random checkpoint ``work_dir/name`` converted into ``work_dir/name-flashhead`` (cached)."""
     base = build_tiny_llama(work_dir / name, spec)
     out = work_dir / f"{name}-flashhead"
-    wanted = json.dumps({"spec": asdict(spec), "iterations": iterations, "n_probes": n_probes,
-                         "cluster_size": cluster_size}, sort_keys=True)
+    wanted = json.dumps(
+        {"spec": asdict(spec), "iterations": iterations, "n_probes": n_probes, "cluster_size": cluster_size},
+        sort_keys=True,
+    )
     marker = out / "bench_build.json"
     if marker.is_file() and marker.read_text() == wanted:
         return out
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "my_pkg", "flashhead", "build", str(base), "--output", str(out),
-           "--cluster-size", str(cluster_size), "--seed", "0", "--iterations", str(iterations), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "my_pkg",
+        "flashhead",
+        "build",
+        str(base),
+        "--output",
+        str(out),
+        "--cluster-size",
+        str(cluster_size),
+        "--seed",
+        "0",
+        "--iterations",
+        str(iterations),
+        "--no-progress",
+    ]
     if n_probes is not None:
         cmd += ["--n-probes", str(n_probes)]
     t0 = time.perf_counter()
@@ -71,8 +96,9 @@ def prepare_flashhead_model(work_dir: Path, name: str, spec: TinyLlamaSpec, *, i
     return out
 
 
-def flashhead_server(model: Path, log_path: Path, *, max_model_len: int, max_num_seqs: int,
-                     extra_args: list[str] | None = None) -> VllmServer:
+def flashhead_server(
+    model: Path, log_path: Path, *, max_model_len: int, max_num_seqs: int, extra_args: list[str] | None = None
+) -> VllmServer:
     """A float32 server with both halves allowlisted and ``ADMIN_TOKEN`` as the admin token."""
     env: dict[str, str | None] = {
         "VLLM_PLUGINS": BOTH_HALVES,
@@ -86,8 +112,9 @@ def flashhead_server(model: Path, log_path: Path, *, max_model_len: int, max_num
         "MY_PKG_STATUS_MAX_AGE": None,
     }
     args = ["--max-num-seqs", str(max_num_seqs), *(extra_args or [])]
-    return VllmServer(model=str(model), args=args, env=env, log_path=log_path, dtype="float32",
-                      max_model_len=max_model_len)
+    return VllmServer(
+        model=str(model), args=args, env=env, log_path=log_path, dtype="float32", max_model_len=max_model_len
+    )
 
 
 def auth_headers(token: str = ADMIN_TOKEN) -> dict[str, str]:
@@ -143,6 +170,7 @@ class RowCounts:
 
 # ---- completion load -------------------------------------------------------------------------
 
+
 @dataclass
 class LoadResult:
     concurrency: int
@@ -162,9 +190,19 @@ def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def _client_loop(url: str, model: str, index: int, max_tokens: int, seconds: float, min_requests: int,
-                 start: threading.Barrier, t0: list[float], result: LoadResult, lock: threading.Lock,
-                 request_timeout: float) -> None:
+def _client_loop(
+    url: str,
+    model: str,
+    index: int,
+    max_tokens: int,
+    seconds: float,
+    min_requests: int,
+    start: threading.Barrier,
+    t0: list[float],
+    result: LoadResult,
+    lock: threading.Lock,
+    request_timeout: float,
+) -> None:
     with httpx.Client(base_url=url, timeout=request_timeout) as http:
         start.wait()
         done = 0
@@ -192,8 +230,16 @@ def _client_loop(url: str, model: str, index: int, max_tokens: int, seconds: flo
                 time.sleep(0.2)  # do not spin on a failing server
 
 
-def run_load(url: str, model: str, *, concurrency: int, max_tokens: int, seconds: float,
-             min_requests: int = 1, request_timeout: float = 600.0) -> LoadResult:
+def run_load(
+    url: str,
+    model: str,
+    *,
+    concurrency: int,
+    max_tokens: int,
+    seconds: float,
+    min_requests: int = 1,
+    request_timeout: float = 600.0,
+) -> LoadResult:
     """``concurrency`` clients start together; each sends completions one after the other until
     ``seconds`` have passed (at least ``min_requests`` each).  Wall time runs until the last
     answer, so every counted token lies inside it."""
@@ -201,10 +247,14 @@ def run_load(url: str, model: str, *, concurrency: int, max_tokens: int, seconds
     lock = threading.Lock()
     t0 = [0.0]
     start = threading.Barrier(concurrency + 1)
-    threads = [threading.Thread(target=_client_loop, daemon=True,
-                                args=(url, model, i, max_tokens, seconds, min_requests, start, t0, result, lock,
-                                      request_timeout))
-               for i in range(concurrency)]
+    threads = [
+        threading.Thread(
+            target=_client_loop,
+            daemon=True,
+            args=(url, model, i, max_tokens, seconds, min_requests, start, t0, result, lock, request_timeout),
+        )
+        for i in range(concurrency)
+    ]
     for thread in threads:
         thread.start()
     t0[0] = time.perf_counter()
@@ -222,5 +272,3 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100 * len(ordered)))
     return ordered[min(rank, len(ordered)) - 1]
-
-

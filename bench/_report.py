@@ -39,7 +39,7 @@ def machine_description() -> str:
         parts.append("torch not installed")
     parts.append(f"Python {platform.python_version()}, {platform.system()} {platform.release()}")
     if hasattr(os, "getloadavg"):
-        parts.append("load average %.1f at start" % os.getloadavg()[0])
+        parts.append(f"load average {os.getloadavg()[0]:.1f} at start")
     return "; ".join(parts)
 
 
@@ -62,7 +62,7 @@ def write_section(name: str, markdown: str, path: str | Path | None = None) -> P
 
 
 def command_line() -> str:
-    """How this script was run, relative to the repository root (``--work-dir`` left out)."""
+    """How this benchmark was run, as ``python -m bench.NAME ...`` (``--work-dir`` left out)."""
     script = Path(sys.argv[0])
     try:
         script = script.resolve().relative_to(Path(__file__).resolve().parents[1])
@@ -76,4 +76,5 @@ def command_line() -> str:
             skip = True  # a local cache folder: does not change the results
         elif not arg.startswith("--work-dir="):
             args.append(arg)
-    return " ".join(["python", str(script), *args])
+    module = ".".join(script.with_suffix("").parts)
+    return " ".join(["python", "-m", module, *args])

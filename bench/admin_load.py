@@ -12,8 +12,8 @@ error).  Reported: latency p50/p99 per route, for the plugin's routes and for vL
 the achieved polling rate, completion tokens/s per phase
 (polling vs the mean of the two phases without), and whether the targets of issue #9 are met.
 
-    python bench/admin_load.py --quick                 # 3 x 5 s, prints only
-    python bench/admin_load.py --write-docs            # 10 Hz, 3 x 60 s, writes the admin section
+    python -m bench.admin_load --quick                 # 3 x 5 s, prints only
+    python -m bench.admin_load --write-docs            # 10 Hz, 3 x 60 s, writes the admin section
 """
 
 from __future__ import annotations
@@ -28,10 +28,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _load import (  # noqa: E402
+from bench._load import (
     ADMIN_TOKEN,
     DEFAULT_WORK_DIR,
     LoadResult,
@@ -41,16 +38,23 @@ from _load import (  # noqa: E402
     prepare_flashhead_model,
     run_load,
 )
-from _report import command_line, machine_description, write_section  # noqa: E402
+from bench._report import command_line, machine_description, write_section
+from my_pkg.devtools.tiny_model import TinyLlamaSpec
 
-from my_pkg.devtools.tiny_model import TinyLlamaSpec  # noqa: E402
-
-SPEC = TinyLlamaSpec(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+SPEC = TinyLlamaSpec(
+    vocab_size=32000,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 PREFIX = "/plugins/my_pkg"
 REQUEST_TIMEOUT_S = 60.0  # a completion of the small model takes well under a second
-PLUGIN_ROUTES = tuple(f"{PREFIX}/{r}" for r in ("health", "workers", "config/scheduler", "flashhead", "metrics",
-                                                    "audit"))
+PLUGIN_ROUTES = tuple(
+    f"{PREFIX}/{r}" for r in ("health", "workers", "config/scheduler", "flashhead", "metrics", "audit")
+)
 #: vLLM's own routes, polled in the same rotation: a slow machine slows them too, a slow plugin does not.
 VLLM_ROUTES = ("/v1/models", "/health")
 ROUTES = PLUGIN_ROUTES + VLLM_ROUTES
@@ -119,12 +123,19 @@ def run_phase(name: str, url: str, model: str, args: argparse.Namespace, polling
     poller = None
     if polling:
         phase.poll = PollResult()
-        poller = threading.Thread(target=poll, args=(url, ADMIN_TOKEN, args.hz, args.seconds, stop, phase.poll),
-                                  daemon=True)
+        poller = threading.Thread(
+            target=poll, args=(url, ADMIN_TOKEN, args.hz, args.seconds, stop, phase.poll), daemon=True
+        )
         poller.start()
     try:
-        phase.load = run_load(url, model, concurrency=args.clients, max_tokens=args.max_tokens, seconds=args.seconds,
-                              request_timeout=REQUEST_TIMEOUT_S)
+        phase.load = run_load(
+            url,
+            model,
+            concurrency=args.clients,
+            max_tokens=args.max_tokens,
+            seconds=args.seconds,
+            request_timeout=REQUEST_TIMEOUT_S,
+        )
     finally:
         stop.set()
         if poller is not None:
@@ -132,12 +143,17 @@ def run_phase(name: str, url: str, model: str, args: argparse.Namespace, polling
     extra = ""
     if phase.poll is not None:
         lat, base = phase.poll.all_latencies, phase.poll.latencies_of(VLLM_ROUTES)
-        extra = (f"; {phase.poll.requests} polls ({phase.poll.requests / phase.poll.seconds:.1f}/s), "
-                 f"plugin p50 {percentile(lat, 50):.1f} / p99 {percentile(lat, 99):.1f} ms, "
-                 f"vLLM's own p50 {percentile(base, 50):.1f} / p99 {percentile(base, 99):.1f} ms, "
-                 f"{sum(phase.poll.errors.values())} errors")
-    print(f"  {name:18s}: {phase.load.tokens_per_s:7.1f} tok/s ({phase.load.requests} completions, "
-          f"{phase.load.errors} errors, {phase.load.wall_s:.1f} s){extra}", flush=True)
+        extra = (
+            f"; {phase.poll.requests} polls ({phase.poll.requests / phase.poll.seconds:.1f}/s), "
+            f"plugin p50 {percentile(lat, 50):.1f} / p99 {percentile(lat, 99):.1f} ms, "
+            f"vLLM's own p50 {percentile(base, 50):.1f} / p99 {percentile(base, 99):.1f} ms, "
+            f"{sum(phase.poll.errors.values())} errors"
+        )
+    print(
+        f"  {name:18s}: {phase.load.tokens_per_s:7.1f} tok/s ({phase.load.requests} completions, "
+        f"{phase.load.errors} errors, {phase.load.wall_s:.1f} s){extra}",
+        flush=True,
+    )
     return phase
 
 
@@ -148,8 +164,10 @@ def scrape_vllm_metrics(url: str) -> str:
         response = http.get("/metrics")
         elapsed_ms = (time.perf_counter() - sent) * 1e3
     ours = [line for line in response.text.splitlines() if line.startswith("my_pkg_")]
-    return (f"vLLM's own `/metrics`, scraped once after the run: HTTP {response.status_code} in {elapsed_ms:.0f} ms, "
-            f"{len(ours)} `my_pkg_*` samples (e.g. `{ours[0] if ours else 'none'}`).")
+    return (
+        f"vLLM's own `/metrics`, scraped once after the run: HTTP {response.status_code} in {elapsed_ms:.0f} ms, "
+        f"{len(ours)} `my_pkg_*` samples (e.g. `{ours[0] if ours else 'none'}`)."
+    )
 
 
 def to_markdown(phases: list[Phase], args: argparse.Namespace) -> str:
@@ -158,28 +176,36 @@ def to_markdown(phases: list[Phase], args: argparse.Namespace) -> str:
     quiet_tps = sum(p.load.tokens_per_s for p in quiet) / len(quiet)
     pr = polled.poll
     assert pr is not None
-    out = ["### Admin routes under load", "",
-           f"Machine: {args.machine}", "",
-           f"Command: `{command_line()}`", "",
-           f"One vLLM server (float32) serving a random Llama converted to FlashHead: V = {SPEC.vocab_size:,}, "
-           f"H = {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers; both plugin halves, admin token set, "
-           "`MY_PKG_STATUS_MAX_AGE` at its default (1 s). "
-           f"{_binding()}"
-           f"Completion load in every phase: {args.clients} closed-loop clients, greedy, {args.max_tokens} tokens "
-           f"each (`ignore_eos`). Phases of {args.seconds:g} s: without polling, with polling, without polling. "
-           f"Polling: one client at {args.hz:g} Hz on a fixed schedule, rotating through "
-           f"{', '.join(ROUTES)} (authenticated GETs; vLLM's own two routes are the baseline of the same run); "
-           f"achieved {pr.requests / pr.seconds:.1f} requests/s. "
-           "Latency = request to full answer, measured by the client; error = any answer other than 200.", "",
-           "| route | requests | errors | p50 ms | p99 ms | max ms |",
-           "|---|---:|---:|---:|---:|---:|"]
+    out = [
+        "### Admin routes under load",
+        "",
+        f"Machine: {args.machine}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        f"One vLLM server (float32) serving a random Llama converted to FlashHead: V = {SPEC.vocab_size:,}, "
+        f"H = {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers; both plugin halves, admin token set, "
+        "`MY_PKG_STATUS_MAX_AGE` at its default (1 s). "
+        f"{_binding()}"
+        f"Completion load in every phase: {args.clients} closed-loop clients, greedy, {args.max_tokens} tokens "
+        f"each (`ignore_eos`). Phases of {args.seconds:g} s: without polling, with polling, without polling. "
+        f"Polling: one client at {args.hz:g} Hz on a fixed schedule, rotating through "
+        f"{', '.join(ROUTES)} (authenticated GETs; vLLM's own two routes are the baseline of the same run); "
+        f"achieved {pr.requests / pr.seconds:.1f} requests/s. "
+        "Latency = request to full answer, measured by the client; error = any answer other than 200.",
+        "",
+        "| route | requests | errors | p50 ms | p99 ms | max ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     rows = [(f"`{r}`", pr.latencies_ms[r], pr.errors[r]) for r in PLUGIN_ROUTES]
     rows.append(("**plugin, all**", pr.latencies_of(PLUGIN_ROUTES), pr.errors_of(PLUGIN_ROUTES)))
     rows += [(f"`{r}` (vLLM)", pr.latencies_ms[r], pr.errors[r]) for r in VLLM_ROUTES]
     rows.append(("**vLLM's own, all** (baseline)", pr.latencies_of(VLLM_ROUTES), pr.errors_of(VLLM_ROUTES)))
     for name, lat, errors in rows:
-        out.append(f"| {name} | {len(lat) + errors} | {errors} | {percentile(lat, 50):.1f} | "
-                   f"{percentile(lat, 99):.1f} | {max(lat, default=float('nan')):.1f} |")
+        out.append(
+            f"| {name} | {len(lat) + errors} | {errors} | {percentile(lat, 50):.1f} | "
+            f"{percentile(lat, 99):.1f} | {max(lat, default=float('nan')):.1f} |"
+        )
     out += ["", "| phase | completion tok/s | completions | completion errors |", "|---|---:|---:|---:|"]
     for p in phases:
         out.append(f"| {p.name} | {p.load.tokens_per_s:.1f} | {p.load.requests} | {p.load.errors} |")
@@ -187,16 +213,26 @@ def to_markdown(phases: list[Phase], args: argparse.Namespace) -> str:
     p99 = percentile(pr.all_latencies, 99)
     rate = pr.requests / pr.seconds
     spread = abs(quiet[0].load.tokens_per_s - quiet[-1].load.tokens_per_s) / quiet_tps if quiet_tps else float("nan")
-    out += ["", f"Throughput with polling / without (mean of the two phases without): {ratio:.3f}. "
-            f"The two phases without polling differ by {spread:.1%} of their mean: a ratio nearer to 1 than "
-            "that is within this run's noise.", ""]
+    out += [
+        "",
+        f"Throughput with polling / without (mean of the two phases without): {ratio:.3f}. "
+        f"The two phases without polling differ by {spread:.1%} of their mean: a ratio nearer to 1 than "
+        "that is within this run's noise.",
+        "",
+    ]
     if args.hz >= 10:
-        out += ["| target (issue #9) | measured | met |", "|---|---:|:---:|",
-                _target_row(f"throughput with / without polling >= {TARGET_THROUGHPUT_RATIO}", f"{ratio:.3f}",
-                            ratio >= TARGET_THROUGHPUT_RATIO),
-                _target_row(f"admin p99 <= {TARGET_P99_MS:g} ms", f"{p99:.1f} ms", p99 <= TARGET_P99_MS),
-                _target_row(f"achieved polling rate >= {TARGET_RATE_HZ} Hz", f"{rate:.1f} Hz", rate >= TARGET_RATE_HZ),
-                ""]
+        out += [
+            "| target (issue #9) | measured | met |",
+            "|---|---:|:---:|",
+            _target_row(
+                f"throughput with / without polling >= {TARGET_THROUGHPUT_RATIO}",
+                f"{ratio:.3f}",
+                ratio >= TARGET_THROUGHPUT_RATIO,
+            ),
+            _target_row(f"admin p99 <= {TARGET_P99_MS:g} ms", f"{p99:.1f} ms", p99 <= TARGET_P99_MS),
+            _target_row(f"achieved polling rate >= {TARGET_RATE_HZ} Hz", f"{rate:.1f} Hz", rate >= TARGET_RATE_HZ),
+            "",
+        ]
     if getattr(args, "vllm_metrics", None):
         out += [args.vllm_metrics, ""]
     out.append(f"Load average at the end: {_load_average()}.")
@@ -218,8 +254,10 @@ def _binding() -> str:
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if not bind:
         return "Worker threads placed by vLLM (no `VLLM_CPU_OMP_THREADS_BIND`). "
-    return (f"`VLLM_CPU_OMP_THREADS_BIND={bind}`: the worker's compute threads on those cores, the other cores "
-            "left to the API server and the clients. ")
+    return (
+        f"`VLLM_CPU_OMP_THREADS_BIND={bind}`: the worker's compute threads on those cores, the other cores "
+        "left to the API server and the clients. "
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,16 +279,29 @@ def main(argv: list[str] | None = None) -> int:
     args.machine = machine_description()  # its load average is the one at the start
     print(args.machine)
     model = prepare_flashhead_model(args.work_dir, "admin-llama", SPEC, iterations=args.iterations)
-    server = flashhead_server(model, args.work_dir / "logs" / "admin-load.log",
-                              max_model_len=args.max_tokens + 64, max_num_seqs=max(32, args.clients))
+    server = flashhead_server(
+        model,
+        args.work_dir / "logs" / "admin-load.log",
+        max_model_len=args.max_tokens + 64,
+        max_num_seqs=max(32, args.clients),
+    )
     t0 = time.perf_counter()
     with server:
         print(f"  server ready in {time.perf_counter() - t0:.0f} s (log: {server.log_path})", flush=True)
-        run_load(server.url, server.model, concurrency=args.clients, max_tokens=4, seconds=0,
-                 request_timeout=REQUEST_TIMEOUT_S)  # warm-up
+        run_load(
+            server.url,
+            server.model,
+            concurrency=args.clients,
+            max_tokens=4,
+            seconds=0,
+            request_timeout=REQUEST_TIMEOUT_S,
+        )  # warm-up
         phases = []
-        for name, polling in (("without polling", False), (f"polling {args.hz:g} Hz", True),
-                              ("without polling (2)", False)):
+        for name, polling in (
+            ("without polling", False),
+            (f"polling {args.hz:g} Hz", True),
+            ("without polling (2)", False),
+        ):
             phases.append(run_phase(name, server.url, server.model, args, polling))
             if phases[-1].load.errors and phases[-1].load.errors == phases[-1].load.requests:
                 print(f"every completion failed; stopping. Server log tail:\n{server.log_tail(30)}")

@@ -16,10 +16,10 @@ Needs torch and Triton only (never vLLM). Two parts:
    same ``[B, V]`` logits, batch 1 to 256.  By default each step is captured in a CUDA graph and
    replayed (``--eager`` times eager launches instead).
 
-    python bench/gpu_check.py                      # CUDA: correctness, then timing (CUDA graphs)
-    python bench/gpu_check.py --json gpu.json      # also write every figure as JSON
-    python bench/gpu_check.py --eager              # time eager launches instead of graph replays
-    python bench/gpu_check.py --interpret          # no GPU: correctness only, Triton interpreter, tiny shapes
+    python -m bench.gpu_check                      # CUDA: correctness, then timing (CUDA graphs)
+    python -m bench.gpu_check --json gpu.json      # also write every figure as JSON
+    python -m bench.gpu_check --eager              # time eager launches instead of graph replays
+    python -m bench.gpu_check --interpret          # no GPU: correctness only, Triton interpreter, tiny shapes
 
 Exit status: 0 every case passed, 1 a correctness case failed, 2 no CUDA device (without ``--interpret``).
 """
@@ -41,10 +41,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from my_pkg.flashhead import FlashHead, default_n_probes  # noqa: E402
-from my_pkg.flashhead.kernels import torch_ref, triton_available  # noqa: E402
+from my_pkg.flashhead import FlashHead, default_n_probes
+from my_pkg.flashhead.kernels import torch_ref, triton_available
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_CUDA = 0, 1, 2
 CLUSTER_SIZE = 16

@@ -14,9 +14,9 @@ Results go to stdout and to a section of ``docs/benchmarks.md``: ``head`` for th
 dtype (float32 on CPU, bfloat16 on CUDA), ``head-<dtype>`` for any other.  On CUDA prefer
 ``bench/gpu_check.py`` (CUDA-graph replays, as vLLM decodes).
 
-    python bench/head.py --quick                    # 128,256 x 2,048, batch 1..256, fp32, 3 rounds
-    python bench/head.py --quick --dtype bfloat16
-    python bench/head.py --hidden 2048 --vocab 128256 --batches 1,8,32 --rounds 5
+    python -m bench.head --quick                    # 128,256 x 2,048, batch 1..256, fp32, 3 rounds
+    python -m bench.head --quick --dtype bfloat16
+    python -m bench.head --hidden 2048 --vocab 128256 --batches 1,8,32 --rounds 5
 """
 
 from __future__ import annotations
@@ -26,18 +26,13 @@ import statistics
 import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _report import command_line, machine_description, write_section  # noqa: E402
-
-from my_pkg.flashhead import FlashHead, default_n_probes  # noqa: E402
-from my_pkg.flashhead.clustering import random_balanced_assignment  # noqa: E402
+from bench._report import command_line, machine_description, write_section
+from my_pkg.flashhead import FlashHead, default_n_probes
+from my_pkg.flashhead.clustering import random_balanced_assignment
 
 FULL_HIDDEN = [640, 2048, 4096]
 FULL_VOCAB = [32000, 128256]

@@ -18,9 +18,9 @@ With ``--speed VxH`` it instead times one decode step at batch 1 on a random hea
 (random balanced clusters, builder-default ``n_probes``): the dense logits, a greedy row and a
 sampled row of ``FlashHead.step_logits``, and the one-time build of the sampled rows' tables.
 
-    python bench/sampling_fidelity.py                       # the committed fixture, every held-out state
-    python bench/sampling_fidelity.py --rows 1024 --draws 8
-    python bench/sampling_fidelity.py --speed 128256x2048 --threads 1
+    python -m bench.sampling_fidelity                       # the committed fixture, every held-out state
+    python -m bench.sampling_fidelity --rows 1024 --draws 8
+    python -m bench.sampling_fidelity --speed 128256x2048 --threads 1
 """
 
 from __future__ import annotations
@@ -35,19 +35,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _report import command_line, machine_description  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from my_pkg.cli import main as cli  # noqa: E402
-from my_pkg.devtools.trained_fixture import TrainedFixture, load_trained_fixture  # noqa: E402
-from my_pkg.flashhead import FlashHead, default_n_probes  # noqa: E402
-from my_pkg.flashhead.assets import load_assets, read_config  # noqa: E402
-from my_pkg.flashhead.clustering import random_balanced_assignment  # noqa: E402
-from my_pkg.flashhead.evaluate import SAMPLING_SETTINGS, sampling_distribution, serving_fidelity, total_variation  # noqa: E402
+from bench._report import command_line, machine_description
+from my_pkg.cli import main as cli
+from my_pkg.devtools.trained_fixture import TrainedFixture, load_trained_fixture
+from my_pkg.flashhead import FlashHead, default_n_probes
+from my_pkg.flashhead.assets import load_assets, read_config
+from my_pkg.flashhead.clustering import random_balanced_assignment
+from my_pkg.flashhead.evaluate import SAMPLING_SETTINGS, sampling_distribution, serving_fidelity, total_variation
 
 
 def _drawn_clusters_tv(

@@ -13,9 +13,9 @@ each); throughput = completion tokens / wall time until the last answer.  Around
 measurement the status route's row counters are read, to check that FlashHead rounds were
 served by FlashHead and dense rounds were not.
 
-    python bench/serve.py --quick                     # tiny model, a few minutes, prints only
-    python bench/serve.py --write-docs                # both shapes, writes the serve section
-    python bench/serve.py --shape llama-1b --llama-layers 8 --concurrency 1,8,32,64 --write-docs
+    python -m bench.serve --quick                     # tiny model, a few minutes, prints only
+    python -m bench.serve --write-docs                # both shapes, writes the serve section
+    python -m bench.serve --shape llama-1b --llama-layers 8 --concurrency 1,8,32,64 --write-docs
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _load import (DEFAULT_WORK_DIR, Admin, LoadResult, RowCounts, flashhead_server,  # noqa: E402
-                   prepare_flashhead_model, run_load)
-from _report import command_line, machine_description, write_section  # noqa: E402
-
-from my_pkg.devtools.tiny_model import TinyLlamaSpec  # noqa: E402
+from bench._load import (
+    DEFAULT_WORK_DIR,
+    Admin,
+    LoadResult,
+    RowCounts,
+    flashhead_server,
+    prepare_flashhead_model,
+    run_load,
+)
+from bench._report import command_line, machine_description, write_section
+from my_pkg.devtools.tiny_model import TinyLlamaSpec
 
 MODES = ("dense", "flashhead")
 
@@ -47,15 +50,45 @@ class Shape:
 
 def shapes(llama_layers: int) -> dict[str, Shape]:
     return {
-        "head-heavy": Shape("head-heavy", "head-heavy (Gemma-3-270M-like proportions)", TinyLlamaSpec(
-            vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
-            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
-        "llama-1b": Shape("llama-1b", f"Llama-3.2-1B-like, {llama_layers} of 16 layers", TinyLlamaSpec(
-            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=llama_layers,
-            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)),
-        "quick": Shape("quick", "tiny smoke model", TinyLlamaSpec(
-            vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+        "head-heavy": Shape(
+            "head-heavy",
+            "head-heavy (Gemma-3-270M-like proportions)",
+            TinyLlamaSpec(
+                vocab_size=262144,
+                hidden_size=640,
+                intermediate_size=2048,
+                num_hidden_layers=18,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                tie_word_embeddings=True,
+            ),
+        ),
+        "llama-1b": Shape(
+            "llama-1b",
+            f"Llama-3.2-1B-like, {llama_layers} of 16 layers",
+            TinyLlamaSpec(
+                vocab_size=128256,
+                hidden_size=2048,
+                intermediate_size=8192,
+                num_hidden_layers=llama_layers,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                tie_word_embeddings=True,
+            ),
+        ),
+        "quick": Shape(
+            "quick",
+            "tiny smoke model",
+            TinyLlamaSpec(
+                vocab_size=32000,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+            ),
+        ),
     }
 
 
@@ -101,8 +134,9 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def measure(url: str, model: str, admin: Admin, mode: str, rnd: int, args: argparse.Namespace,
-            concurrency: int) -> Measurement:
+def measure(
+    url: str, model: str, admin: Admin, mode: str, rnd: int, args: argparse.Namespace, concurrency: int
+) -> Measurement:
     admin.update(enabled=mode == "flashhead")
     before = RowCounts.of(admin.status())
     load = run_load(url, model, concurrency=concurrency, max_tokens=args.max_tokens, seconds=args.seconds)
@@ -110,22 +144,28 @@ def measure(url: str, model: str, admin: Admin, mode: str, rnd: int, args: argpa
         raise RuntimeError(f"every completion failed ({mode}, C={concurrency}); see the server log")
     rows = RowCounts.of(admin.status()) - before
     m = Measurement(mode, rnd, load, rows)
-    print(f"    C={concurrency:3d} round {rnd} {mode:9s}: {load.tokens_per_s:8.1f} tok/s  "
-          f"({load.requests} requests, {load.completion_tokens} tokens, {load.wall_s:5.1f} s, "
-          f"{load.errors} errors; rows flashhead {rows.flashhead}, dense {rows.dense or 0})"
-          f"{'' if m.check else '  CHECK FAILED'}", flush=True)
+    print(
+        f"    C={concurrency:3d} round {rnd} {mode:9s}: {load.tokens_per_s:8.1f} tok/s  "
+        f"({load.requests} requests, {load.completion_tokens} tokens, {load.wall_s:5.1f} s, "
+        f"{load.errors} errors; rows flashhead {rows.flashhead}, dense {rows.dense or 0})"
+        f"{'' if m.check else '  CHECK FAILED'}",
+        flush=True,
+    )
     return m
 
 
 def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
     spec = shape.spec
-    print(f"== {shape.title}: V={spec.vocab_size:,} H={spec.hidden_size:,} layers={spec.num_hidden_layers}",
-          flush=True)
+    print(f"== {shape.title}: V={spec.vocab_size:,} H={spec.hidden_size:,} layers={spec.num_hidden_layers}", flush=True)
     name = f"{shape.key}-{spec.num_hidden_layers}l"
     model = prepare_flashhead_model(args.work_dir, name, spec, iterations=args.iterations)
     max_c = max(args.concurrency)
-    server = flashhead_server(model, args.work_dir / "logs" / f"serve-{name}.log",
-                              max_model_len=args.max_tokens + 64, max_num_seqs=max(32, max_c))
+    server = flashhead_server(
+        model,
+        args.work_dir / "logs" / f"serve-{name}.log",
+        max_model_len=args.max_tokens + 64,
+        max_num_seqs=max(32, max_c),
+    )
     t0 = time.perf_counter()
     with server:
         print(f"  server ready in {time.perf_counter() - t0:.0f} s (log: {server.log_path})", flush=True)
@@ -139,10 +179,18 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
             if args.dense_batch_threshold is not None:
                 settings["dense_batch_threshold"] = args.dense_batch_threshold
             status = admin.update(**settings) if settings else admin.status()
-            result = ShapeResult(shape, status["n_probes"], status["num_clusters"],
-                                 status["dense_batch_threshold"], status.get("backend"))
-            print(f"  FlashHead: {result.num_clusters:,} clusters, n_probes {result.n_probes}, "
-                  f"dense_batch_threshold {result.threshold}, backend {result.backend}", flush=True)
+            result = ShapeResult(
+                shape,
+                status["n_probes"],
+                status["num_clusters"],
+                status["dense_batch_threshold"],
+                status.get("backend"),
+            )
+            print(
+                f"  FlashHead: {result.num_clusters:,} clusters, n_probes {result.n_probes}, "
+                f"dense_batch_threshold {result.threshold}, backend {result.backend}",
+                flush=True,
+            )
             for c in args.concurrency:
                 run_load(server.url, server.model, concurrency=c, max_tokens=4, seconds=0)  # warm-up
                 runs: list[Measurement] = []
@@ -151,8 +199,11 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
                     runs += [measure(server.url, server.model, admin, mode, rnd, args, c) for mode in order]
                 result.runs[c] = runs
                 dense, flash = result.tokens_per_s(c, "dense"), result.tokens_per_s(c, "flashhead")
-                print(f"  C={c}: dense {dense:.1f} tok/s, FlashHead {flash:.1f} tok/s, "
-                      f"x{flash / dense if dense else float('nan'):.2f}", flush=True)
+                print(
+                    f"  C={c}: dense {dense:.1f} tok/s, FlashHead {flash:.1f} tok/s, "
+                    f"x{flash / dense if dense else float('nan'):.2f}",
+                    flush=True,
+                )
             admin.update(enabled=True)
         finally:
             admin.close()
@@ -160,40 +211,53 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
 
 
 def table(result: ShapeResult) -> list[str]:
-    lines = ["| concurrency | dense tok/s | FlashHead tok/s | FlashHead / dense | "
-             "FlashHead rows in FlashHead rounds | check |",
-             "|---:|---:|---:|---:|---:|:---:|"]
+    lines = [
+        "| concurrency | dense tok/s | FlashHead tok/s | FlashHead / dense | "
+        "FlashHead rows in FlashHead rounds | check |",
+        "|---:|---:|---:|---:|---:|:---:|",
+    ]
     for c in sorted(result.runs):
         dense, flash = result.tokens_per_s(c, "dense"), result.tokens_per_s(c, "flashhead")
         ratio = f"{flash / dense:.2f}x" if dense else "n/a"
-        lines.append(f"| {c} | {dense:.1f} | {flash:.1f} | {ratio} | {100 * result.flash_share(c):.0f}% | "
-                     f"{'ok' if result.all_checked(c) else 'FAILED'} |")
+        lines.append(
+            f"| {c} | {dense:.1f} | {flash:.1f} | {ratio} | {100 * result.flash_share(c):.0f}% | "
+            f"{'ok' if result.all_checked(c) else 'FAILED'} |"
+        )
     return lines
 
 
 def to_markdown(results: list[ShapeResult], args: argparse.Namespace) -> str:
-    out = ["### Serving: decode throughput, FlashHead vs dense (vLLM server, float32)", "",
-           f"Machine: {machine_description()}", "",
-           f"Command: `{command_line()}`", "",
-           "One vLLM server per shape serves the FlashHead-converted random checkpoint; dense and FlashHead "
-           "are measured on the same server by switching `PUT /plugins/my_pkg/flashhead {\"enabled\": ...}` "
-           f"between measurements, alternating the order (dense, FlashHead, FlashHead, dense, ...) over "
-           f"{args.rounds} round(s). Each measurement: C clients, each sending greedy completions of exactly "
-           f"{args.max_tokens} tokens (`ignore_eos`) back to back for {args.seconds:g} s (at least one each); "
-           "tokens/s = completion tokens / wall time until the last answer (prefill included, same for both "
-           "modes). Clusters come from "
-           f"{args.iterations} balanced k-means iteration(s) only: cluster quality changes which tokens are "
-           "chosen, not the time per step. \"FlashHead rows\" = share of head rows that the status route's "
-           "counters show served by FlashHead during the FlashHead rounds (the rest went dense, e.g. batch "
-           "above `dense_batch_threshold`); \"check\" = no errors, FlashHead rows counted in every FlashHead "
-           "round and none in any dense round.", ""]
+    out = [
+        "### Serving: decode throughput, FlashHead vs dense (vLLM server, float32)",
+        "",
+        f"Machine: {machine_description()}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        "One vLLM server per shape serves the FlashHead-converted random checkpoint; dense and FlashHead "
+        'are measured on the same server by switching `PUT /plugins/my_pkg/flashhead {"enabled": ...}` '
+        f"between measurements, alternating the order (dense, FlashHead, FlashHead, dense, ...) over "
+        f"{args.rounds} round(s). Each measurement: C clients, each sending greedy completions of exactly "
+        f"{args.max_tokens} tokens (`ignore_eos`) back to back for {args.seconds:g} s (at least one each); "
+        "tokens/s = completion tokens / wall time until the last answer (prefill included, same for both "
+        "modes). Clusters come from "
+        f"{args.iterations} balanced k-means iteration(s) only: cluster quality changes which tokens are "
+        'chosen, not the time per step. "FlashHead rows" = share of head rows that the status route\'s '
+        "counters show served by FlashHead during the FlashHead rounds (the rest went dense, e.g. batch "
+        'above `dense_batch_threshold`); "check" = no errors, FlashHead rows counted in every FlashHead '
+        "round and none in any dense round.",
+        "",
+    ]
     for r in results:
         spec = r.shape.spec
-        out += [f"**{r.shape.title}**: V = {spec.vocab_size:,}, H = {spec.hidden_size:,}, "
-                f"{spec.num_hidden_layers} layers, intermediate {spec.intermediate_size:,}, "
-                f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, tied embeddings; "
-                f"{r.num_clusters:,} clusters of 16, n_probes {r.n_probes}, dense_batch_threshold "
-                f"{r.threshold} (server default unless the command sets it), backend {r.backend}.", ""]
+        out += [
+            f"**{r.shape.title}**: V = {spec.vocab_size:,}, H = {spec.hidden_size:,}, "
+            f"{spec.num_hidden_layers} layers, intermediate {spec.intermediate_size:,}, "
+            f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, tied embeddings; "
+            f"{r.num_clusters:,} clusters of 16, n_probes {r.n_probes}, dense_batch_threshold "
+            f"{r.threshold} (server default unless the command sets it), backend {r.backend}.",
+            "",
+        ]
         out += table(r)
         out.append("")
     return "\n".join(out)
