@@ -50,6 +50,8 @@ from my_pkg.endpoints.route_class import AdminRoute
 from my_pkg.endpoints.updates import engine_audit, mutation, parse_if_match, update_flashhead
 
 UPDATE_KEY = "flashhead_update"
+#: `If-Match`: a settings version, optionally quoted or weak (`7`, `"7"`, `W/"7"`), or `*` (any).
+IF_MATCH_PATTERN = r'^(\*|(W/)?"?[0-9]{1,15}"?)$'
 
 
 def _error_doc(description: str) -> dict[str, Any]:
@@ -157,7 +159,9 @@ async def flashhead_update(
     body: FlashHeadUpdate,
     request: Request,
     state: State,
-    if_match: Annotated[str | None, Header(description="Apply only if the settings version is this one.")] = None,
+    if_match: Annotated[str | None, Header(
+        description="Apply only if the settings version is this one (the ETag of GET /flashhead).",
+        pattern=IF_MATCH_PATTERN)] = None,
 ) -> FlashHeadUpdateResponse:
     try:
         expected = parse_if_match(if_match)
