@@ -159,9 +159,11 @@ async def flashhead_update(
     body: FlashHeadUpdate,
     request: Request,
     state: State,
-    if_match: Annotated[str | None, Header(
+    # `str` with a None default: the header may be left out, but its schema has no `null` (a client would send
+    # the text "null").
+    if_match: Annotated[str, Header(
         description="Apply only if the settings version is this one (the ETag of GET /flashhead).",
-        pattern=IF_MATCH_PATTERN)] = None,
+        pattern=IF_MATCH_PATTERN)] = None,  # type: ignore[assignment]
 ) -> FlashHeadUpdateResponse:
     try:
         expected = parse_if_match(if_match)
