@@ -24,7 +24,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(VPY) -m my_pkg.devtools.demo
+	$(VPY) -m tests.support.demo
 
 # ruff comes with the test extra; `make format` rewrites, `make lint` only checks.
 lint: setup

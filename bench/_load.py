@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from my_pkg.devtools.server import VllmServer
-from my_pkg.devtools.tiny_model import TinyLlamaSpec, build_tiny_llama
+from tests.support.server import VllmServer
+from tests.support.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 DEFAULT_WORK_DIR = Path(tempfile.gettempdir()) / "my_pkg-bench"
 BOTH_HALVES = "my_pkg_engine,my_pkg_admin"

@@ -39,7 +39,7 @@ from bench._load import (
     run_load,
 )
 from bench._report import command_line, machine_description, write_section
-from my_pkg.devtools.tiny_model import TinyLlamaSpec
+from tests.support.tiny_model import TinyLlamaSpec
 
 SPEC = TinyLlamaSpec(
     vocab_size=32000,

@@ -39,11 +39,11 @@ from safetensors.torch import save_file
 
 from bench._report import command_line, machine_description
 from my_pkg.cli import main as cli
-from my_pkg.devtools.trained_fixture import TrainedFixture, load_trained_fixture
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.assets import load_assets, read_config
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.evaluate import SAMPLING_SETTINGS, sampling_distribution, serving_fidelity, total_variation
+from tests.support.trained_fixture import TrainedFixture, load_trained_fixture
 
 
 def _drawn_clusters_tv(

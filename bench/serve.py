@@ -36,7 +36,7 @@ from bench._load import (
     run_load,
 )
 from bench._report import command_line, machine_description, write_section
-from my_pkg.devtools.tiny_model import TinyLlamaSpec
+from tests.support.tiny_model import TinyLlamaSpec
 
 MODES = ("dense", "flashhead")
 

@@ -64,8 +64,19 @@ FLASHHEAD_ABORT: Final = "my_pkg_flashhead_abort"
 #: `() -> AuditReply`: the audit entries this worker keeps (rank 0 of each engine keeps them).
 AUDIT: Final = "my_pkg_audit"
 
-WORKER_METHOD_NAMES: Final = (PING, WORKER_INFO, CONFIG, STATUS, FLASHHEAD_STATUS, FLASHHEAD_VALIDATE,
-                              FLASHHEAD_APPLY, FLASHHEAD_PREPARE, FLASHHEAD_COMMIT, FLASHHEAD_ABORT, AUDIT)
+WORKER_METHOD_NAMES: Final = (
+    PING,
+    WORKER_INFO,
+    CONFIG,
+    STATUS,
+    FLASHHEAD_STATUS,
+    FLASHHEAD_VALIDATE,
+    FLASHHEAD_APPLY,
+    FLASHHEAD_PREPARE,
+    FLASHHEAD_COMMIT,
+    FLASHHEAD_ABORT,
+    AUDIT,
+)
 
 #: Sections of `GET /plugins/my_pkg/config/{section}`; each is the worker's `<section>_config`.
 CONFIG_SECTIONS: Final = ("scheduler", "model", "cache", "parallel")
@@ -75,6 +86,7 @@ UPDATE_FIELDS: Final = ("enabled", "n_probes", "dense_batch_threshold")
 
 
 # ---- replies ---------------------------------------------------------------------------------------
+
 
 class WorkerReply(BaseModel):
     """Base of every reply: undeclared keys are kept (see the module docstring)."""
@@ -140,8 +152,19 @@ class WorkerConfig(RankedReply):
 
 #: `FlashHeadState.reason_code`: why FlashHead is not active on a worker (null when it is).
 ReasonCode = Literal[
-    "disabled", "not_built", "no_assets", "assets_invalid", "assets_mismatch", "build_failed", "quantized_head",
-    "warm_up_failed", "pipeline_parallel", "speculative_decoding", "lora", "head_dtype", "runner_hook_failed",
+    "disabled",
+    "not_built",
+    "no_assets",
+    "assets_invalid",
+    "assets_mismatch",
+    "build_failed",
+    "quantized_head",
+    "warm_up_failed",
+    "pipeline_parallel",
+    "speculative_decoding",
+    "lora",
+    "head_dtype",
+    "runner_hook_failed",
     "logits_processor_taken",
 ]
 #: One line per `ReasonCode`, in its order (docs/flashhead-serving.md's table is generated from it).
@@ -165,7 +188,11 @@ REASON_CODES: Final[dict[str, str]] = {
 
 #: `SpecPart.reason_code`: why FlashHead does not serve one part of speculative decoding (null when it does).
 SpecReasonCode = Literal[
-    "flashhead_inactive", "model_runner_v2", "spec_hook_failed", "no_draft_head", "draft_head_not_supported",
+    "flashhead_inactive",
+    "model_runner_v2",
+    "spec_hook_failed",
+    "no_draft_head",
+    "draft_head_not_supported",
 ]
 #: One line per `SpecReasonCode`, in its order (docs/flashhead-serving.md's table is generated from it).
 SPEC_REASON_CODES: Final[dict[str, str]] = {
@@ -191,7 +218,8 @@ class SpecState(WorkerReply):
     method: str | None = None
     num_speculative_tokens: int | None = None
     pin_drafts: bool = Field(
-        default=False, description="Sampled verify rows score their draft token exactly (greedy or n-gram drafts).")
+        default=False, description="Sampled verify rows score their draft token exactly (greedy or n-gram drafts)."
+    )
     verify: SpecPart
     draft: SpecPart
 
@@ -218,13 +246,36 @@ class DenseReason(IntEnum):
 
 
 #: Why a whole step (or a wrapper's call) is served dense, whatever its requests asked for.
-StepDenseReason = Literal["batch_threshold", "disabled", "unavailable", "error", "unexpected_rows", "lora",
-                          "wrapped_head", "speculative_verify"]
+StepDenseReason = Literal[
+    "batch_threshold",
+    "disabled",
+    "unavailable",
+    "error",
+    "unexpected_rows",
+    "lora",
+    "wrapped_head",
+    "speculative_verify",
+]
 #: Every key of `FlashHeadCounters.rows_dense`: the requests' `DenseReason` labels, then the steps'.
 DenseRowReason = Literal[
-    "logprobs", "structured_output", "logit_bias", "allowed_token_ids", "bad_words", "custom_logits_processors",
-    "unclassified", "thinking_budget", "watermark", "opt_out", "penalized_greedy",
-    "batch_threshold", "disabled", "unavailable", "error", "unexpected_rows", "lora", "wrapped_head",
+    "logprobs",
+    "structured_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "custom_logits_processors",
+    "unclassified",
+    "thinking_budget",
+    "watermark",
+    "opt_out",
+    "penalized_greedy",
+    "batch_threshold",
+    "disabled",
+    "unavailable",
+    "error",
+    "unexpected_rows",
+    "lora",
+    "wrapped_head",
     "speculative_verify",
 ]
 #: One line per `DenseRowReason`, in its order (docs/flashhead-serving.md's table is generated from it).
@@ -238,7 +289,7 @@ DENSE_ROW_REASONS: Final[dict[str, str]] = {
     "unclassified": "a request field this plugin does not know is set, or the request could not be classified",
     "thinking_budget": "the request set `thinking_token_budget`",
     "watermark": "the request asked for watermarking",
-    "opt_out": "the request opted out (`\"vllm_xargs\": {\"flashhead\": false}`)",
+    "opt_out": 'the request opted out (`"vllm_xargs": {"flashhead": false}`)',
     "penalized_greedy": "a greedy request with a repetition, frequency or presence penalty",
     "batch_threshold": "the step had more rows than `dense_batch_threshold`",
     "disabled": "FlashHead is turned off",
@@ -264,9 +315,11 @@ class FlashHeadCounters(WorkerReply):
     fidelity_rows: int = 0
     fidelity_agreed: int = 0
     rows_flashhead_verify: int = Field(
-        default=0, description="Of `rows_flashhead`: speculative-decoding verify rows (bonus rows not included).")
+        default=0, description="Of `rows_flashhead`: speculative-decoding verify rows (bonus rows not included)."
+    )
     rows_flashhead_verify_pinned: int = Field(
-        default=0, description="Of `rows_flashhead_verify`: sampled verify rows whose draft token was scored exactly.")
+        default=0, description="Of `rows_flashhead_verify`: sampled verify rows whose draft token was scored exactly."
+    )
 
 
 class FlashHeadState(WorkerReply):
@@ -320,6 +373,7 @@ class ValidationReply(RankedReply):
 
 # ---- versioned updates: a lease per worker, taken in ascending dp rank, then a commit ------------------
 
+
 class Transaction(BaseModel):
     """Who runs an update and under which lease; sent with every phase of it."""
 
@@ -327,7 +381,8 @@ class Transaction(BaseModel):
     holder: str = Field(description="The API server running it (host, pid, API-server index).")
     lease_s: float = Field(gt=0, description="The lease lapses this many seconds after it was taken.")
     expected_version: int | None = Field(
-        default=None, description="Compare-and-set: refuse unless the worker's version is this one (If-Match).")
+        default=None, description="Compare-and-set: refuse unless the worker's version is this one (If-Match)."
+    )
     new_version: int | None = Field(default=None, description="The version the commit sets (max seen + 1).")
 
 
@@ -346,7 +401,8 @@ class PrepareReply(RankedReply):
     version: int = Field(description="The worker's settings version.")
     errors: list[str] = Field(default_factory=list, description="Why the update cannot be applied here.")
     conflict: str | None = Field(
-        default=None, description="'busy' (another update holds the lease) or 'version' (compare-and-set failed).")
+        default=None, description="'busy' (another update holds the lease) or 'version' (compare-and-set failed)."
+    )
     holder: str | None = Field(default=None, description="Who holds the lease when busy.")
     before: SettingsValues = Field(default_factory=SettingsValues)
 
@@ -375,7 +431,8 @@ class AuditEntry(BaseModel):
     role: str | None = None
     token_source: str | None = None
     token_fingerprint: str | None = Field(
-        default=None, description="HMAC of the token with a per-process key: equal within one process only.")
+        default=None, description="HMAC of the token with a per-process key: equal within one process only."
+    )
     client: str | None = None
     method: str | None = None
     path: str | None = None
@@ -394,6 +451,7 @@ class AuditReply(RankedReply):
 
 
 # ---- the update ------------------------------------------------------------------------------------
+
 
 def _absent_not_null(schema: dict[str, Any]) -> None:
     """JSON schema of an optional update field: it may be left out, but `null` is not a value of it."""
@@ -434,18 +492,21 @@ class FlashHeadUpdate(BaseModel):
         default=None, description="Turn FlashHead on or off.", json_schema_extra=_absent_not_null
     )
     n_probes: ProbeCount | None = Field(
-        default=None, description="Clusters probed per token (>= 1, at most the number of clusters).",
+        default=None,
+        description="Clusters probed per token (>= 1, at most the number of clusters).",
         json_schema_extra=_absent_not_null,
     )
     dense_batch_threshold: RowCount | None = Field(
         default=None,
         description="Decode steps with more rows than this use the dense head (>= 0); null: never (the default, "
-                    "so a request's text does not depend on the server's load).",
+        "so a request's text does not depend on the server's load).",
     )
 
     @model_validator(mode="after")
     def _given_fields_valid(self) -> FlashHeadUpdate:
-        nulls = [name for name in ("enabled", "n_probes") if name in self.model_fields_set and getattr(self, name) is None]
+        nulls = [
+            name for name in ("enabled", "n_probes") if name in self.model_fields_set and getattr(self, name) is None
+        ]
         if nulls:
             raise ValueError(f"{', '.join(repr(n) for n in nulls)} must not be null (leave the field out to keep it)")
         if not self.to_update():
@@ -470,13 +531,52 @@ def update_errors(update: Any) -> list[str]:
 
 
 __all__ = [
-    "AUDIT", "FLASHHEAD_ABORT", "FLASHHEAD_COMMIT", "FLASHHEAD_PREPARE", "MAX_UPDATE_INT",
-    "AuditEntry", "AuditReply", "CommitReply", "LeaseReply", "PrepareReply", "SettingsValues", "Transaction",
-    "DENSE_ROW_REASONS", "REASON_CODES", "SPEC_REASON_CODES", "DenseReason", "DenseRowReason", "ReasonCode",
-    "SpecPart", "SpecReasonCode", "SpecState", "StepDenseReason",
-    "CONFIG", "CONFIG_SECTIONS", "FLASHHEAD_APPLY", "FLASHHEAD_STATUS", "FLASHHEAD_VALIDATE", "PING",
-    "RPC_PREFIX", "STATUS", "UPDATE_FIELDS", "WORKER_INFO", "WORKER_METHOD_NAMES",
-    "FlashHeadCounters", "FlashHeadState", "FlashHeadStatus", "FlashHeadUpdate", "KVCacheInfo", "MemoryInfo",
-    "ModelInfo", "PingReply", "RankedReply", "ValidationReply", "WorkerConfig", "WorkerIdentity", "WorkerReply",
-    "WorkerStatus", "update_errors",
+    "AUDIT",
+    "FLASHHEAD_ABORT",
+    "FLASHHEAD_COMMIT",
+    "FLASHHEAD_PREPARE",
+    "MAX_UPDATE_INT",
+    "AuditEntry",
+    "AuditReply",
+    "CommitReply",
+    "LeaseReply",
+    "PrepareReply",
+    "SettingsValues",
+    "Transaction",
+    "DENSE_ROW_REASONS",
+    "REASON_CODES",
+    "SPEC_REASON_CODES",
+    "DenseReason",
+    "DenseRowReason",
+    "ReasonCode",
+    "SpecPart",
+    "SpecReasonCode",
+    "SpecState",
+    "StepDenseReason",
+    "CONFIG",
+    "CONFIG_SECTIONS",
+    "FLASHHEAD_APPLY",
+    "FLASHHEAD_STATUS",
+    "FLASHHEAD_VALIDATE",
+    "PING",
+    "RPC_PREFIX",
+    "STATUS",
+    "UPDATE_FIELDS",
+    "WORKER_INFO",
+    "WORKER_METHOD_NAMES",
+    "FlashHeadCounters",
+    "FlashHeadState",
+    "FlashHeadStatus",
+    "FlashHeadUpdate",
+    "KVCacheInfo",
+    "MemoryInfo",
+    "ModelInfo",
+    "PingReply",
+    "RankedReply",
+    "ValidationReply",
+    "WorkerConfig",
+    "WorkerIdentity",
+    "WorkerReply",
+    "WorkerStatus",
+    "update_errors",
 ]

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -49,7 +50,9 @@ def seconds(*, allow_zero: bool) -> Callable[[str], float]:
     def parse(raw: str) -> float:
         value = float(raw.strip())
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-            raise ValueError("expected a number of seconds >= 0" if allow_zero else "expected a positive number of seconds")
+            raise ValueError(
+                "expected a number of seconds >= 0" if allow_zero else "expected a positive number of seconds"
+            )
         return value
 
     return parse
@@ -101,56 +104,90 @@ VARIABLES: dict[str, EnvVar] = {
         # engine half (workers)
         EnvVar("MY_PKG_FLASHHEAD", True, flag, "0 serves FlashHead models with the dense head", _ENGINE),
         EnvVar(
-            "MY_PKG_FLASHHEAD_N_PROBES", None, integer(1), "clusters scored exactly per token at start-up", _ENGINE,
+            "MY_PKG_FLASHHEAD_N_PROBES",
+            None,
+            integer(1),
+            "clusters scored exactly per token at start-up",
+            _ENGINE,
             default_doc="config.json `n_probes`, else the builder's default",
         ),
         EnvVar(
-            "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", None, integer(0),
-            "when set, decode steps with more rows use the dense head", _ENGINE, default_doc="unset (never)",
+            "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD",
+            None,
+            integer(0),
+            "when set, decode steps with more rows use the dense head",
+            _ENGINE,
+            default_doc="unset (never)",
         ),
         EnvVar(
-            "MY_PKG_FLASHHEAD_PROBE_SAMPLING", True, flag,
-            "0 gives sampled rows the greedy rows' logits (no estimated tail, n_probes)", _ENGINE,
+            "MY_PKG_FLASHHEAD_PROBE_SAMPLING",
+            True,
+            flag,
+            "0 gives sampled rows the greedy rows' logits (no estimated tail, n_probes)",
+            _ENGINE,
         ),
         EnvVar(
-            "MY_PKG_FLASHHEAD_SAMPLED_N_PROBES", None, integer(1), "clusters scored exactly for a sampled row",
-            _ENGINE, default_doc="follows `n_probes`",
+            "MY_PKG_FLASHHEAD_SAMPLED_N_PROBES",
+            None,
+            integer(1),
+            "clusters scored exactly for a sampled row",
+            _ENGINE,
+            default_doc="follows `n_probes`",
         ),
         EnvVar(
-            "MY_PKG_FLASHHEAD_SAMPLED_RANK", None, integer(0),
-            "rank of the residual term of a sampled row's estimated logits (0: off)", _ENGINE,
+            "MY_PKG_FLASHHEAD_SAMPLED_RANK",
+            None,
+            integer(0),
+            "rank of the residual term of a sampled row's estimated logits (0: off)",
+            _ENGINE,
             default_doc="the head's default",
         ),
         EnvVar("MY_PKG_FLASHHEAD_BACKEND", "auto", choice("auto", "torch", "triton"), "auto, torch or triton", _ENGINE),
         EnvVar(
-            "MY_PKG_FLASHHEAD_FIDELITY_EVERY", 100, integer(0),
-            "one FlashHead row in N also checked against the dense head (0: off)", _ENGINE,
+            "MY_PKG_FLASHHEAD_FIDELITY_EVERY",
+            100,
+            integer(0),
+            "one FlashHead row in N also checked against the dense head (0: off)",
+            _ENGINE,
         ),
         # endpoint half (API server)
         EnvVar("MY_PKG_ADMIN_TOKEN", None, secret, "bearer token of the admin role", _ENDPOINTS),
         EnvVar("MY_PKG_READ_TOKEN", None, secret, "bearer token of the read role", _ENDPOINTS),
         EnvVar(
-            "MY_PKG_RPC_TIMEOUT", 10.0, seconds(allow_zero=False),
-            "seconds a route waits for the workers before answering 504", _ENDPOINTS,
+            "MY_PKG_RPC_TIMEOUT",
+            10.0,
+            seconds(allow_zero=False),
+            "seconds a route waits for the workers before answering 504",
+            _ENDPOINTS,
         ),
         EnvVar(
-            "MY_PKG_STATUS_MAX_AGE", 1.0, seconds(allow_zero=True),
-            "seconds a snapshot of the workers' status may be served before it is fetched again", _ENDPOINTS,
+            "MY_PKG_STATUS_MAX_AGE",
+            1.0,
+            seconds(allow_zero=True),
+            "seconds a snapshot of the workers' status may be served before it is fetched again",
+            _ENDPOINTS,
         ),
         EnvVar("MY_PKG_AUDIT_SIZE", 256, integer(1), "entries kept by the audit log ring", _ENDPOINTS),
         EnvVar(
-            "MY_PKG_ALLOW_ANONYMOUS_READS", False, flag,
-            "1 opens the read routes to callers without a token when no token is configured", _ENDPOINTS,
+            "MY_PKG_ALLOW_ANONYMOUS_READS",
+            False,
+            flag,
+            "1 opens the read routes to callers without a token when no token is configured",
+            _ENDPOINTS,
         ),
         EnvVar(
-            "MY_PKG_ADMIN_MAX_BODY_BYTES", 4096, integer(64),
-            "largest request body a mutating admin route reads (larger: 413)", _ENDPOINTS,
+            "MY_PKG_ADMIN_MAX_BODY_BYTES",
+            4096,
+            integer(64),
+            "largest request body a mutating admin route reads (larger: 413)",
+            _ENDPOINTS,
         ),
     )
 }
 
 #: Name -> one-line doc of every variable (kept for callers that only need the names).
 ENVIRONMENT_VARIABLES: dict[str, str] = {name: var.doc for name, var in VARIABLES.items()}
+
 
 def read(name: str) -> Any:
     """The value of variable `name` now: parsed, or its default when unset, blank or invalid."""

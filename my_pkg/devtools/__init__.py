@@ -1,5 +1,4 @@
-"""Helpers shared by the demo, the end-to-end tests and the benchmarks.
+"""Developer tools that ship with the package but are not used by the plugin itself.
 
-They build small models locally (no model hub) and run a real vLLM OpenAI
-server in a subprocess. Nothing here is imported by the plugin itself.
+`compat` checks every vLLM symbol the engine half uses against a vLLM release's sources.
 """

@@ -137,8 +137,15 @@ class AuditLog:
         key = (who.get("token_fingerprint") or client_host, who.get("method"), who.get("path"), status_code, reason)
         entry = self._refusals.pop(key, None)
         if entry is None:
-            entry = {"time": now_iso(), **who, "status_code": status_code, "result": "refused", "reason": reason,
-                     "count": 0, "first_time": now_iso()}
+            entry = {
+                "time": now_iso(),
+                **who,
+                "status_code": status_code,
+                "result": "refused",
+                "reason": reason,
+                "count": 0,
+                "first_time": now_iso(),
+            }
             while len(self._refusals) >= self.size:
                 self._refusals.popitem(last=False)
         entry["count"] += 1
@@ -161,7 +168,10 @@ class AuditLog:
             self._auth_logged.clear()
         self._auth_logged[key] = (now, 0)
         audit_logger.warning(
-            "my_pkg admin authentication failed (%s) from %s on %s%s", reason, client or "unknown client", path,
+            "my_pkg admin authentication failed (%s) from %s on %s%s",
+            reason,
+            client or "unknown client",
+            path,
             f"; {suppressed} more from there in the last {AUTH_LOG_INTERVAL_S:g} s" if suppressed else "",
         )
 

@@ -166,13 +166,18 @@ def _weaknesses(tokens: list[tuple[str, str, str]]) -> tuple[str, ...]:
         if role != ADMIN:
             continue
         if len(token) < MIN_ADMIN_TOKEN_CHARS:
-            found.append(f"{source} is shorter than {MIN_ADMIN_TOKEN_CHARS} characters; use a random value "
-                         f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`).")
-        shared = sorted({other_source for other, other_role, other_source in tokens
-                         if other_role != ADMIN and other == token})
+            found.append(
+                f"{source} is shorter than {MIN_ADMIN_TOKEN_CHARS} characters; use a random value "
+                f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)."
+            )
+        shared = sorted(
+            {other_source for other, other_role, other_source in tokens if other_role != ADMIN and other == token}
+        )
         if shared:
-            found.append(f"{source} equals {' and '.join(shared)}: every holder of that token has the admin "
-                         "role. Give the admin role a token of its own.")
+            found.append(
+                f"{source} equals {' and '.join(shared)}: every holder of that token has the admin "
+                "role. Give the admin role a token of its own."
+            )
     return tuple(found)
 
 

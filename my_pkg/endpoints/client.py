@@ -265,9 +265,12 @@ class AdminState:
     # ---- data that changes: one snapshot, one call at a time --------------------------------
 
     def _fresh(self, snapshot: StatusSnapshot | None) -> bool:
-        return (snapshot is not None and snapshot.generation == self._status_generation
-                and snapshot.age() <= self.status_max_age
-                and not self.marker.changed_since(snapshot.requested_wall_ns))
+        return (
+            snapshot is not None
+            and snapshot.generation == self._status_generation
+            and snapshot.age() <= self.status_max_age
+            and not self.marker.changed_since(snapshot.requested_wall_ns)
+        )
 
     async def status(self) -> StatusSnapshot:
         """The workers' status, no older than ``status_max_age`` and no update since (fetched when it is)."""
@@ -373,14 +376,10 @@ class AdminState:
             raise
         except Exception as exc:
             error = classify_rpc_error(exc, method, self.rpc_timeout)
-            logger.warning(
-                "Worker RPC %s failed (%s): %s", method, error.status_code, exc
-            )
+            logger.warning("Worker RPC %s failed (%s): %s", method, error.status_code, exc)
             raise error from exc
         if not isinstance(result, (list, tuple)):
-            raise unexpected_reply_error(
-                method, f"expected a list of per-worker results, got {type(result).__name__}"
-            )
+            raise unexpected_reply_error(method, f"expected a list of per-worker results, got {type(result).__name__}")
         if not result:
             raise unexpected_reply_error(method, "no worker answered")
         return list(result)
@@ -403,8 +402,8 @@ class AdminState:
         if isinstance(engines, list) and len(engines) > 1 and not self._warned_single_engine:
             self._warned_single_engine = True
             logger.warning(
-                "This vLLM has %d engines but no way to call them all; admin calls reach "
-                "the first engine only.", len(engines),
+                "This vLLM has %d engines but no way to call them all; admin calls reach the first engine only.",
+                len(engines),
             )
         replies = await self.engine_client.collective_rpc(method, args=args)
         if not isinstance(replies, (list, tuple)):
@@ -453,8 +452,7 @@ def parse_replies(method: str, model: type[R], replies: list[Any]) -> list[R]:
         except ValidationError as exc:
             raise unexpected_reply_error(
                 method,
-                f"worker #{index} returned an invalid reply: "
-                f"{exc.error_count()} error(s), first: {_first_error(exc)}",
+                f"worker #{index} returned an invalid reply: {exc.error_count()} error(s), first: {_first_error(exc)}",
             ) from exc
     if parsed and all(hasattr(p, "rank") for p in parsed):
         parsed.sort(key=lambda p: (getattr(p, "dp_rank", 0), p.rank))

@@ -84,9 +84,7 @@ def diagnose_engine_half() -> tuple[str, str, str]:
     """
     if engine_half_excluded_by_allowlist():
         current = os.environ.get(ENV_VLLM_PLUGINS, "")
-        wanted = ",".join(
-            [p for p in (vllm_plugins_allowlist() or []) if p] + [ENGINE_PLUGIN_ENTRY]
-        )
+        wanted = ",".join([p for p in (vllm_plugins_allowlist() or []) if p] + [ENGINE_PLUGIN_ENTRY])
         return (
             "not_in_vllm_plugins",
             f"The engine half of {PLUGIN_NAME} is not loaded in the workers: "
@@ -98,14 +96,12 @@ def diagnose_engine_half() -> tuple[str, str, str]:
     if plugin_disabled():
         return (
             "disabled",
-            f"The engine half of {PLUGIN_NAME} is disabled: "
-            f"{ENV_DISABLE}={os.environ.get(ENV_DISABLE)!r}.",
+            f"The engine half of {PLUGIN_NAME} is disabled: {ENV_DISABLE}={os.environ.get(ENV_DISABLE)!r}.",
             f"Unset {ENV_DISABLE} (or set it to 0) and restart the server.",
         )
     return (
         "not_loaded",
-        f"The engine half of {PLUGIN_NAME} is not loaded in the workers "
-        "(its worker methods are unknown).",
+        f"The engine half of {PLUGIN_NAME} is not loaded in the workers (its worker methods are unknown).",
         f"Install the same {PLUGIN_NAME} version in the environment the "
         f"workers run in, make sure the {ENGINE_PLUGIN_ENTRY} entry point is "
         f"loaded (include it in {ENV_VLLM_PLUGINS} if you set that variable), "

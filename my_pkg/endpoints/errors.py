@@ -52,9 +52,7 @@ MAX_MESSAGE_CHARS = 2000
 # vLLM's run_method raises NotImplementedError for an unknown name on some
 # executors; the CPU/GPU worker wrapper's attribute lookup raises AttributeError
 # on others. Either way only the text reaches the API server.
-_NOT_IMPLEMENTED_RE = re.compile(
-    r"Method '([^']*)' is not implemented|object has no attribute '(my_pkg_[A-Za-z_]*)'"
-)
+_NOT_IMPLEMENTED_RE = re.compile(r"Method '([^']*)' is not implemented|object has no attribute '(my_pkg_[A-Za-z_]*)'")
 _TIMEOUT_RE = re.compile(r"RPC call to \S+ timed out")
 
 
@@ -90,7 +88,10 @@ class AdminAPIError(Exception):
             self.status_code,
             f"The {PLUGIN_NAME} admin plugin could not answer ({self.type}); details are in the server log "
             f"under request id {request_id}.",
-            type=self.type, hint=self.hint, headers=self.headers, request_id=request_id,
+            type=self.type,
+            hint=self.hint,
+            headers=self.headers,
+            request_id=request_id,
         )
 
     def body(self) -> dict[str, Any]:
@@ -104,9 +105,7 @@ class AdminAPIError(Exception):
         return {"error": error}
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(
-            self.body(), status_code=self.status_code, headers=self.headers or None
-        )
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers or None)
 
 
 def _default_type(status_code: int) -> str:
@@ -202,9 +201,7 @@ def rpc_timeout_error(what: str, timeout_s: float, **extra: Any) -> AdminAPIErro
     )
 
 
-def classify_rpc_error(
-    exc: BaseException, method: str, timeout_s: float
-) -> AdminAPIError:
+def classify_rpc_error(exc: BaseException, method: str, timeout_s: float) -> AdminAPIError:
     """Turn a failure of ``collective_rpc(method)`` into an API error."""
     if isinstance(exc, AdminAPIError):
         return exc
@@ -225,6 +222,7 @@ def classify_rpc_error(
 
 
 # ---- the plugin's state ---------------------------------------------------------------------------
+
 
 def no_engine_error() -> AdminAPIError:
     return AdminAPIError(
@@ -295,8 +293,10 @@ WWW_AUTHENTICATE = 'Bearer realm="my_pkg"'
 
 def method_not_allowed_error(method: str, path: str, allowed: list[str]) -> AdminAPIError:
     return AdminAPIError(
-        405, f"Method {method} is not allowed on {path}; allowed: {', '.join(allowed)}.",
-        type="method_not_allowed", headers={"Allow": ", ".join(allowed)},
+        405,
+        f"Method {method} is not allowed on {path}; allowed: {', '.join(allowed)}.",
+        type="method_not_allowed",
+        headers={"Allow": ", ".join(allowed)},
     )
 
 
@@ -315,7 +315,7 @@ def body_too_large_error(limit: int) -> AdminAPIError:
         413,
         f"The request body is larger than {limit} bytes.",
         type="request_too_large",
-        hint="An update is a small JSON object, e.g. {\"n_probes\": 8}.",
+        hint='An update is a small JSON object, e.g. {"n_probes": 8}.',
         limit_bytes=limit,
     )
 
@@ -346,13 +346,15 @@ def request_validation_error(details: list[dict[str, Any]]) -> AdminAPIError:
 
 def bad_if_match_error(value: str) -> AdminAPIError:
     return AdminAPIError(
-        422, f"If-Match must be a settings version (an integer, optionally quoted), not {value[:40]!r}.",
+        422,
+        f"If-Match must be a settings version (an integer, optionally quoted), not {value[:40]!r}.",
         type="invalid_request_error",
         hint=f"Use the settings_version of GET {ROUTE_PREFIX}/flashhead.",
     )
 
 
 # ---- authentication -------------------------------------------------------------------------------
+
 
 def unauthenticated_error(presented: bool) -> AdminAPIError:
     return AdminAPIError(
@@ -378,8 +380,7 @@ def read_role_error(role: str, has_admin: bool) -> AdminAPIError:
             "server's API keys (shared with inference clients) grant read "
             "routes only."
             if has_admin
-            else f"No admin token is configured: set {ENV_ADMIN_TOKEN} in the "
-            "API server's environment and restart."
+            else f"No admin token is configured: set {ENV_ADMIN_TOKEN} in the API server's environment and restart."
         ),
         required_role="admin",
         role=role,
@@ -396,8 +397,12 @@ def no_token_configured_error(mutating: bool) -> AdminAPIError:
         hint=(
             f"Set {ENV_ADMIN_TOKEN} (a random value of 32 characters or more) in the API server's environment, "
             "restart, and send 'Authorization: Bearer <token>'"
-            + ("." if mutating else f"; or set {ENV_ALLOW_ANONYMOUS_READS}=1 to open the read routes to anyone "
-                                    "who can reach the server.")
+            + (
+                "."
+                if mutating
+                else f"; or set {ENV_ALLOW_ANONYMOUS_READS}=1 to open the read routes to anyone "
+                "who can reach the server."
+            )
         ),
         required_role="admin" if mutating else "read",
     )
@@ -416,12 +421,15 @@ def admin_role_error(role: str | None) -> AdminAPIError:
 
 # ---- updates --------------------------------------------------------------------------------------
 
-def update_in_progress_error(update: dict[str, Any], *, holder: str | None = None,
-                             version: int | None = None) -> AdminAPIError:
+
+def update_in_progress_error(
+    update: dict[str, Any], *, holder: str | None = None, version: int | None = None
+) -> AdminAPIError:
     return AdminAPIError(
         409,
         "Another FlashHead update is still in progress"
-        + (f" (held by {holder})" if holder else "") + "; nothing was applied.",
+        + (f" (held by {holder})" if holder else "")
+        + "; nothing was applied.",
         type="update_in_progress",
         hint=f"Retry later; GET {ROUTE_PREFIX}/flashhead shows the settings in force.",
         update=update,
@@ -441,15 +449,13 @@ def version_conflict_error(update: dict[str, Any], expected: int, current: int) 
     )
 
 
-def flashhead_unavailable_error(update: dict[str, Any], failing: list[dict[str, Any]],
-                                version: int) -> AdminAPIError:
+def flashhead_unavailable_error(update: dict[str, Any], failing: list[dict[str, Any]], version: int) -> AdminAPIError:
     return AdminAPIError(
         409,
         "FlashHead is not available on this model; nothing was applied.",
         type="flashhead_unavailable",
         hint=(
-            "FlashHead needs a model with FlashHead assets; see the 'reason' "
-            f"field of GET {ROUTE_PREFIX}/flashhead."
+            f"FlashHead needs a model with FlashHead assets; see the 'reason' field of GET {ROUTE_PREFIX}/flashhead."
         ),
         update=update,
         errors=failing,

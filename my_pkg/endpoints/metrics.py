@@ -49,6 +49,7 @@ _WORKER = ("dp_rank", "rank")
 
 def families(snapshot: StatusSnapshot | None) -> list[Metric]:
     """The metric families of ``snapshot``; without one, the families with no samples."""
+
     def counter(name: str, doc: str) -> CounterMetricFamily:
         return CounterMetricFamily(_PREFIX + name, doc, labels=_WORKER)
 
@@ -84,8 +85,11 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         # Flashhead rows carry no `reason` label (not even an empty one), as before this library rendered them.
         rows.add_sample(rows.name + "_total", dict(zip(_WORKER, labels), path="flashhead"), counters.rows_flashhead)
         for reason in sorted(counters.rows_dense):
-            rows.add_sample(rows.name + "_total", dict(zip(_WORKER, labels), path="dense", reason=reason),
-                            counters.rows_dense[reason])
+            rows.add_sample(
+                rows.name + "_total",
+                dict(zip(_WORKER, labels), path="dense", reason=reason),
+                counters.rows_dense[reason],
+            )
         fallbacks.add_metric(labels, counters.fallbacks)
         seconds.add_metric(labels, counters.head_seconds)
         fidelity_rows.add_metric(labels, counters.fidelity_rows)
@@ -101,8 +105,22 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
             threshold.add_metric(labels, state.dense_batch_threshold)
     if snapshot is not None:
         age.add_metric([], snapshot.age())
-    return [steps, rows, fallbacks, seconds, fidelity_rows, fidelity_agreed, rows_verify, rows_verify_pinned,
-            available, enabled, active, n_probes, threshold, age]
+    return [
+        steps,
+        rows,
+        fallbacks,
+        seconds,
+        fidelity_rows,
+        fidelity_agreed,
+        rows_verify,
+        rows_verify_pinned,
+        available,
+        enabled,
+        active,
+        n_probes,
+        threshold,
+        age,
+    ]
 
 
 def render(snapshot: StatusSnapshot) -> bytes:
@@ -189,8 +207,15 @@ class MultiprocessMirror:
                 key = (family.name, sample.name, names, tuple(sample.labels[n] for n in names))
                 value = self._values.get(key)
                 if value is None:
-                    value = self._value_class(family.type, family.name, sample.name, list(names), list(key[3]),
-                                              family.documentation, multiprocess_mode="max")
+                    value = self._value_class(
+                        family.type,
+                        family.name,
+                        sample.name,
+                        list(names),
+                        list(key[3]),
+                        family.documentation,
+                        multiprocess_mode="max",
+                    )
                     self._values[key] = value
                 value.set(float(sample.value))
 
@@ -226,8 +251,11 @@ def expose_on_registry(handler: AdminState, registry: CollectorRegistry = REGIST
         if handler.last_status() is not None:  # written before the server serves its first scrape
             mirror.write(handler.last_status())
         handler.start_background(mirror_forever(handler, mirror))
-        logger.info("my_pkg metrics are written to %s for vLLM's multiprocess /metrics (every %g s).",
-                    ENV_PROMETHEUS_MULTIPROC_DIR, MIRROR_INTERVAL_S)
+        logger.info(
+            "my_pkg metrics are written to %s for vLLM's multiprocess /metrics (every %g s).",
+            ENV_PROMETHEUS_MULTIPROC_DIR,
+            MIRROR_INTERVAL_S,
+        )
     return _SCRAPE_COLLECTOR
 
 

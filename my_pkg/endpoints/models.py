@@ -78,8 +78,9 @@ class ConfigResponse(BaseModel):
 # ------------------------------------------------------------------ flashhead
 class FlashHeadStatusResponse(BaseModel):
     num_workers: int
-    settings_version: int = Field(description="Updates committed on the engines; send it as If-Match to update "
-                                              "only these settings.")
+    settings_version: int = Field(
+        description="Updates committed on the engines; send it as If-Match to update only these settings."
+    )
     snapshot_age_s: float = _snapshot_age()
     workers: list[FlashHeadStatus]
 
@@ -90,7 +91,8 @@ class FlashHeadUpdateResponse(BaseModel):
     engines: list[int] = Field(description="Data-parallel ranks of the engines the update covered.")
     other_nodes_untouched: bool = Field(
         description="True under hybrid or external DP load balancing: this API server manages only its node's "
-                    "engines, and the other nodes' were not updated (send the PUT to each node's API server).")
+        "engines, and the other nodes' were not updated (send the PUT to each node's API server)."
+    )
     num_workers: int
     workers: list[CommitReply]
 
@@ -101,7 +103,9 @@ class AuditResponse(BaseModel):
     api_server: str = Field(description="The API server that answered (refusals are its own).")
     mutations: list[AuditEntry] = Field(
         description="Oldest first: updates applied or rejected, as the engines recorded them (the same from "
-        "every API server), and this API server's updates that never reached them (pending, failed).")
+        "every API server), and this API server's updates that never reached them (pending, failed)."
+    )
     refusals: list[AuditEntry] = Field(
         description="Refused mutations seen by this API server, one entry per caller, route and reason with a "
-        "count; least recent first.")
+        "count; least recent first."
+    )

@@ -54,7 +54,10 @@ class AdminEndpointPlugin:
         tokens = resolve_tokens(args)
         port = getattr(args, "port", None)
         handler = AdminState(
-            engine_client, tokens, rpc_timeout_from_env(), status_max_age_from_env(),
+            engine_client,
+            tokens,
+            rpc_timeout_from_env(),
+            status_max_age_from_env(),
             # The API servers of one `vllm serve` share its port: the key of their update marker.
             marker_key=f"port{port}" if isinstance(port, int) else None,
             request_id_headers=getattr(args, "enable_request_id_headers", False) is True,
@@ -73,8 +76,7 @@ class AdminEndpointPlugin:
 
         if engine_client is None:
             logger.info(
-                "%s admin routes at %s/*: no engine on this server, every route "
-                "will answer 503.",
+                "%s admin routes at %s/*: no engine on this server, every route will answer 503.",
                 PLUGIN_NAME,
                 ROUTE_PREFIX,
             )
@@ -93,13 +95,19 @@ class AdminEndpointPlugin:
                 "No admin token configured and %s=1: the read-only %s routes under %s "
                 "(topology, configuration) are open to anyone who can reach this server; "
                 "mutating routes answer 403. Set %s to require a bearer token.",
-                ENV_ALLOW_ANONYMOUS_READS, PLUGIN_NAME, ROUTE_PREFIX, ENV_ADMIN_TOKEN,
+                ENV_ALLOW_ANONYMOUS_READS,
+                PLUGIN_NAME,
+                ROUTE_PREFIX,
+                ENV_ADMIN_TOKEN,
             )
         elif not tokens.configured:
             logger.warning(
                 "No admin token configured: every %s route under %s but /health answers 403. "
                 "Set %s (or %s=1 to open the read routes).",
-                PLUGIN_NAME, ROUTE_PREFIX, ENV_ADMIN_TOKEN, ENV_ALLOW_ANONYMOUS_READS,
+                PLUGIN_NAME,
+                ROUTE_PREFIX,
+                ENV_ADMIN_TOKEN,
+                ENV_ALLOW_ANONYMOUS_READS,
             )
         if engine_client is not None and engine_half_excluded_by_allowlist():
             logger.warning(

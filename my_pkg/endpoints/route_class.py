@@ -48,8 +48,10 @@ class AdminRoute(APIRoute):
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, endpoint, **kwargs)
         if set(self.methods or ()) - SAFE_METHODS and not getattr(endpoint, MUTATION_MARK, False):
-            raise TypeError(f"{endpoint.__name__}: a mutating admin route must be declared with @mutation "
-                            "(my_pkg.endpoints.updates), which audits, serialises and invalidates the snapshot")
+            raise TypeError(
+                f"{endpoint.__name__}: a mutating admin route must be declared with @mutation "
+                "(my_pkg.endpoints.updates), which audits, serialises and invalidates the snapshot"
+            )
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Starlette answers a wrong method with the methods of the first route whose path matched;
@@ -57,8 +59,10 @@ class AdminRoute(APIRoute):
         if self.methods and scope["method"] not in self.methods:
             router = scope.get("router")
             routes = getattr(router, "routes", None) or [self]
-            allowed = sorted({m for r in routes if getattr(r, "path", None) == self.path
-                              for m in getattr(r, "methods", None) or ()} | set(self.methods))
+            allowed = sorted(
+                {m for r in routes if getattr(r, "path", None) == self.path for m in getattr(r, "methods", None) or ()}
+                | set(self.methods)
+            )
             await method_not_allowed_error(scope["method"], self.path, allowed).to_response()(scope, receive, send)
             return
         await super().handle(scope, receive, send)
@@ -97,8 +101,9 @@ class AdminRoute(APIRoute):
             except (HTTPException, StarletteHTTPException) as exc:
                 raise AdminAPIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})) from exc
             except Exception as exc:  # noqa: BLE001 - never a 500
-                logger.exception("Unexpected error in %s %s (request id %s)", request.method, request.url.path,
-                                 request_id(request))
+                logger.exception(
+                    "Unexpected error in %s %s (request id %s)", request.method, request.url.path, request_id(request)
+                )
                 raise plugin_error(exc) from exc
 
         return handler
@@ -108,8 +113,14 @@ def _visible(request: Request, error: AdminAPIError, rid: str) -> AdminAPIError:
     """`error` as this caller may see it: worker and bug details go to the admin role only (and the log)."""
     if not error.internal or getattr(request.state, "my_pkg_role", None) == ADMIN:
         return error
-    logger.warning("%s answered %d to a %s caller (request id %s): %s", request.url.path, error.status_code,
-                   getattr(request.state, "my_pkg_role", None) or "anonymous", rid, error.message)
+    logger.warning(
+        "%s answered %d to a %s caller (request id %s): %s",
+        request.url.path,
+        error.status_code,
+        getattr(request.state, "my_pkg_role", None) or "anonymous",
+        rid,
+        error.message,
+    )
     return error.public(rid)
 
 

@@ -107,8 +107,13 @@ async def health(state: State) -> HealthResponse:
     ]
     if bad:
         raise version_mismatch_error(bad)
-    return HealthResponse(plugin=PLUGIN_NAME, version=__version__, num_workers=len(pings),
-                          snapshot_age_s=_age(snapshot.age()), workers=pings)
+    return HealthResponse(
+        plugin=PLUGIN_NAME,
+        version=__version__,
+        num_workers=len(pings),
+        snapshot_age_s=_age(snapshot.age()),
+        workers=pings,
+    )
 
 
 @router.get("/workers", summary="Per-worker information")
@@ -137,8 +142,12 @@ async def flashhead_status(state: State, response: Response) -> FlashHeadStatusR
     snapshot = await state.status()
     statuses = [worker.flashhead_status() for worker in snapshot.workers]
     response.headers["ETag"] = f'"{snapshot.settings_version}"'
-    return FlashHeadStatusResponse(num_workers=len(statuses), settings_version=snapshot.settings_version,
-                                   snapshot_age_s=_age(snapshot.age()), workers=statuses)
+    return FlashHeadStatusResponse(
+        num_workers=len(statuses),
+        settings_version=snapshot.settings_version,
+        snapshot_age_s=_age(snapshot.age()),
+        workers=statuses,
+    )
 
 
 @router.put(
@@ -161,9 +170,13 @@ async def flashhead_update(
     state: State,
     # `str` with a None default: the header may be left out, but its schema has no `null` (a client would send
     # the text "null").
-    if_match: Annotated[str, Header(
-        description="Apply only if the settings version is this one (the ETag of GET /flashhead).",
-        pattern=IF_MATCH_PATTERN)] = None,  # type: ignore[assignment]
+    if_match: Annotated[
+        str,
+        Header(
+            description="Apply only if the settings version is this one (the ETag of GET /flashhead).",
+            pattern=IF_MATCH_PATTERN,
+        ),
+    ] = None,  # type: ignore[assignment]
 ) -> FlashHeadUpdateResponse:
     try:
         expected = parse_if_match(if_match)
@@ -171,9 +184,14 @@ async def flashhead_update(
         raise bad_if_match_error(if_match or "") from None
     update = body.to_update()
     statuses, version, ranks = await update_flashhead(state, update, request.state.my_pkg_caller, expected)
-    return FlashHeadUpdateResponse(applied=update, settings_version=version, engines=ranks,
-                                   other_nodes_untouched=state.local_engines_only,
-                                   num_workers=len(statuses), workers=statuses)
+    return FlashHeadUpdateResponse(
+        applied=update,
+        settings_version=version,
+        engines=ranks,
+        other_nodes_untouched=state.local_engines_only,
+        num_workers=len(statuses),
+        workers=statuses,
+    )
 
 
 @router.get(
@@ -186,8 +204,9 @@ async def audit(state: State) -> AuditResponse:
     mutations = await state.wait(state.in_flight.start("audit", lambda: engine_audit(state)), "The audit read")
     local = state.audit.mutations()
     merged = sorted([*mutations, *local], key=lambda e: e["time"])
-    return AuditResponse(size=state.audit.size, api_server=state.identity, mutations=merged,
-                         refusals=state.audit.refusals())
+    return AuditResponse(
+        size=state.audit.size, api_server=state.identity, mutations=merged, refusals=state.audit.refusals()
+    )
 
 
 @router.get(

@@ -78,8 +78,9 @@ def mutation(key: str, what: str) -> Callable[[F], F]:
             state.check_engine_alive()
             if state.in_flight.running(key):
                 last = state.last_status()  # the version as last seen here: this refusal asks no engine
-                error = update_in_progress_error(_body_of(kwargs), holder=state.identity,
-                                                 version=last.settings_version if last is not None else None)
+                error = update_in_progress_error(
+                    _body_of(kwargs), holder=state.identity, version=last.settings_version if last is not None else None
+                )
                 record_refusal(request, error.status_code, error.message)
                 raise error
             who = caller(request)
@@ -90,8 +91,13 @@ def mutation(key: str, what: str) -> Callable[[F], F]:
                     return await endpoint(**kwargs)
                 except AdminAPIError as exc:
                     if exc.status_code >= 500:
-                        state.audit.record(who, exc.status_code, "failed", reason=exc.message,
-                                           **{k: v for k, v in exc.extra.items() if k in ("update", "engines")})
+                        state.audit.record(
+                            who,
+                            exc.status_code,
+                            "failed",
+                            reason=exc.message,
+                            **{k: v for k, v in exc.extra.items() if k in ("update", "engines")},
+                        )
                     raise
                 finally:
                     state.invalidate_status()
@@ -122,6 +128,7 @@ def _body_of(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 # ---- the FlashHead update ---------------------------------------------------------------------------
 
+
 def lease_seconds(state: AdminState) -> float:
     return max(MIN_LEASE_S, 3 * state.rpc_timeout)
 
@@ -134,31 +141,46 @@ def parse_if_match(value: str | None) -> int | None:
     return int(text)  # ValueError: the route answers 422
 
 
-async def update_flashhead(state: AdminState, update: dict[str, Any], who: dict[str, Any],
-                           expected_version: int | None = None) -> tuple[list[CommitReply], int, list[int]]:
+async def update_flashhead(
+    state: AdminState, update: dict[str, Any], who: dict[str, Any], expected_version: int | None = None
+) -> tuple[list[CommitReply], int, list[int]]:
     """Prepare, then commit `update` on every engine this API server manages (see the module docstring).
 
     Returns every worker's status after the commit, the new settings version, and the engines' dp ranks.
     """
     ranks = state.engine_ranks()
-    txn = Transaction(id=uuid.uuid4().hex, holder=state.identity, lease_s=lease_seconds(state),
-                      expected_version=expected_version)
+    txn = Transaction(
+        id=uuid.uuid4().hex, holder=state.identity, lease_s=lease_seconds(state), expected_version=expected_version
+    )
     entry = {k: v for k, v in who.items() if v is not None}
     entry.update(transaction=txn.id, update=update, engines=ranks)
     prepared: list[int] = []
     replies: list[PrepareReply] = []
     try:
         for index, _ in enumerate(ranks):
-            engine_replies = parse_replies(FLASHHEAD_PREPARE, PrepareReply, await state.call_unbounded(
-                FLASHHEAD_PREPARE, update, txn.model_dump(), engine=index))
+            engine_replies = parse_replies(
+                FLASHHEAD_PREPARE,
+                PrepareReply,
+                await state.call_unbounded(FLASHHEAD_PREPARE, update, txn.model_dump(), engine=index),
+            )
             if any(r.granted for r in engine_replies):
                 prepared.append(index)
             replies.extend(engine_replies)
             if not all(r.granted for r in engine_replies):
                 error = _refusal(update, replies, expected_version)
-                await _abort(state, txn, prepared, {**entry, "time": _now(), "status_code": error.status_code,
-                                                     "result": "rejected", "reason": error.message,
-                                                     "before": _before(replies)})
+                await _abort(
+                    state,
+                    txn,
+                    prepared,
+                    {
+                        **entry,
+                        "time": _now(),
+                        "status_code": error.status_code,
+                        "result": "rejected",
+                        "reason": error.message,
+                        "before": _before(replies),
+                    },
+                )
                 raise error
     except AdminAPIError as exc:
         if exc.status_code >= 500 and prepared:  # an engine failed mid-way: release what we hold
@@ -170,21 +192,34 @@ async def update_flashhead(state: AdminState, update: dict[str, Any], who: dict[
     statuses: list[CommitReply] = []
     for index, _ in enumerate(ranks):
         try:
-            statuses.extend(parse_replies(FLASHHEAD_COMMIT, CommitReply, await state.call_unbounded(
-                FLASHHEAD_COMMIT, update, commit_txn.model_dump(), record, engine=index)))
+            statuses.extend(
+                parse_replies(
+                    FLASHHEAD_COMMIT,
+                    CommitReply,
+                    await state.call_unbounded(FLASHHEAD_COMMIT, update, commit_txn.model_dump(), record, engine=index),
+                )
+            )
         except AdminAPIError as exc:
-            logger.error("FlashHead update %s was accepted by every engine but committing it on dp rank %d "
-                         "failed; the engines may now differ: %s", update, ranks[index], exc.message)
-            exc.extra.update(note=PARTIAL_APPLY_NOTE, engines=ranks,
-                             committed_engines=[ranks[i] for i in range(index)])
+            logger.error(
+                "FlashHead update %s was accepted by every engine but committing it on dp rank %d "
+                "failed; the engines may now differ: %s",
+                update,
+                ranks[index],
+                exc.message,
+            )
+            exc.extra.update(note=PARTIAL_APPLY_NOTE, engines=ranks, committed_engines=[ranks[i] for i in range(index)])
             raise
-    logger.info("FlashHead update applied on %d worker(s) of dp ranks %s as settings version %d: %s",
-                len(statuses), ranks, new_version, update)
+    logger.info(
+        "FlashHead update applied on %d worker(s) of dp ranks %s as settings version %d: %s",
+        len(statuses),
+        ranks,
+        new_version,
+        update,
+    )
     return statuses, new_version, ranks
 
 
-def _refusal(update: dict[str, Any], replies: list[PrepareReply],
-             expected_version: int | None) -> AdminAPIError:
+def _refusal(update: dict[str, Any], replies: list[PrepareReply], expected_version: int | None) -> AdminAPIError:
     version = max((r.version for r in replies), default=0)
     busy = [r for r in replies if r.conflict == "busy"]
     if busy:
@@ -208,8 +243,9 @@ async def _abort(state: AdminState, txn: Transaction, prepared: list[int], entry
     targets = prepared or [0]
     for position, index in enumerate(targets):
         try:
-            await state.call_unbounded(FLASHHEAD_ABORT, txn.model_dump(), entry if position == 0 else None,
-                                       engine=index)
+            await state.call_unbounded(
+                FLASHHEAD_ABORT, txn.model_dump(), entry if position == 0 else None, engine=index
+            )
         except AdminAPIError as exc:  # the lease lapses by itself
             logger.warning("Releasing the lease of update %s on engine %d failed: %s", txn.id, index, exc.message)
 
@@ -225,6 +261,7 @@ def _now() -> str:
 
 
 # ---- reading the audit ------------------------------------------------------------------------------
+
 
 async def engine_audit(state: AdminState) -> list[dict[str, Any]]:
     """Every engine's mutation entries, one per transaction (the engines that kept it merged), oldest first."""

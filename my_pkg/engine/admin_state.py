@@ -91,8 +91,9 @@ class AdminLedger:
 
     def committed(self, txn: Transaction, entry: dict[str, Any] | None) -> None:
         """Record a commit of `txn`: the new version, its audit entry, the lease released."""
-        self.version = txn.new_version if txn.new_version is not None and txn.new_version > self.version \
-            else self.version + 1
+        self.version = (
+            txn.new_version if txn.new_version is not None and txn.new_version > self.version else self.version + 1
+        )
         self.release(txn.id)
         if entry is not None:
             self.keep({**entry, "settings_version": self.version})

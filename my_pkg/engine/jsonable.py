@@ -37,22 +37,63 @@ _ENV_VARS_KEYS = ("env_vars",)
 #: Per section: the top-level fields shown although they hold text or structures.
 SHOWN: dict[str, frozenset[str]] = {
     "scheduler": frozenset({"runner_type", "policy", "scheduler_cls"}),
-    "cache": frozenset({
-        "kv_cache_layout", "cache_dtype", "prefix_caching_hash_algo", "kv_cache_dtype_skip_layers",
-        "mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_cache_mode", "kv_offloading_backend",
-    }),
-    "parallel": frozenset({
-        "data_parallel_backend", "expert_placement_strategy", "all2all_backend", "distributed_executor_backend",
-        "worker_cls", "worker_extension_cls", "dcp_comm_backend", "eplb_config", "fault_tolerance_config",
-        "ray_runtime_env",
-    }),
-    "model": frozenset({
-        "model", "model_weights", "runner", "convert", "tokenizer", "tokenizer_mode", "dtype", "hf_config_path",
-        "revision", "code_revision", "tokenizer_revision", "quantization", "quantization_config", "logprobs_mode",
-        "served_model_name", "config_format", "generation_config", "override_generation_config", "model_impl",
-        "logits_processors", "hf_config", "hf_text_config", "hf_overrides", "model_class_overrides",
-        "pooler_config", "multimodal_config", "io_processor_plugin",
-    }),
+    "cache": frozenset(
+        {
+            "kv_cache_layout",
+            "cache_dtype",
+            "prefix_caching_hash_algo",
+            "kv_cache_dtype_skip_layers",
+            "mamba_cache_dtype",
+            "mamba_ssm_cache_dtype",
+            "mamba_cache_mode",
+            "kv_offloading_backend",
+        }
+    ),
+    "parallel": frozenset(
+        {
+            "data_parallel_backend",
+            "expert_placement_strategy",
+            "all2all_backend",
+            "distributed_executor_backend",
+            "worker_cls",
+            "worker_extension_cls",
+            "dcp_comm_backend",
+            "eplb_config",
+            "fault_tolerance_config",
+            "ray_runtime_env",
+        }
+    ),
+    "model": frozenset(
+        {
+            "model",
+            "model_weights",
+            "runner",
+            "convert",
+            "tokenizer",
+            "tokenizer_mode",
+            "dtype",
+            "hf_config_path",
+            "revision",
+            "code_revision",
+            "tokenizer_revision",
+            "quantization",
+            "quantization_config",
+            "logprobs_mode",
+            "served_model_name",
+            "config_format",
+            "generation_config",
+            "override_generation_config",
+            "model_impl",
+            "logits_processors",
+            "hf_config",
+            "hf_text_config",
+            "hf_overrides",
+            "model_class_overrides",
+            "pooler_config",
+            "multimodal_config",
+            "io_processor_plugin",
+        }
+    ),
 }
 #: Per section: top-level numbers hidden too (where the engines listen).
 HIDDEN: dict[str, frozenset[str]] = {
@@ -136,8 +177,11 @@ def to_jsonable(value: Any, depth: int = 6, *, redact: bool = True) -> Any:
         items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
         return [to_jsonable(v, depth - 1, redact=redact) for v in items]
     if dataclasses.is_dataclass(value):
-        return to_jsonable({f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)
-                            if not f.name.startswith("_")}, depth, redact=redact)
+        return to_jsonable(
+            {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value) if not f.name.startswith("_")},
+            depth,
+            redact=redact,
+        )
     for exporter in ("to_dict", "model_dump"):
         export = getattr(value, exporter, None)
         if callable(export):

@@ -111,36 +111,37 @@ def my_pkg_worker_info(self: Any) -> dict[str, Any]:
     parallel_config = getattr(self, "parallel_config", None)
     device = getattr(self, "device", None)
     num_blocks = getattr(cache_config, "num_gpu_blocks", None)
-    return _reply(WorkerIdentity.model_validate({
-        "rank": _rank(self),
-        "local_rank": int(getattr(self, "local_rank", 0) or 0),
-        "world_size": int(getattr(parallel_config, "world_size", 1) or 1),
-        "pid": os.getpid(),
-        "hostname": socket.gethostname(),
-        "device": str(device) if device is not None else None,
-        "plugin_version": __version__,
-        "torch_version": str(torch.__version__),
-        "vllm_version": vllm_version,
-        "model": {
-            "name": str(getattr(model_config, "served_model_name", None)
-                        or getattr(model_config, "model", "")),
-            "path": str(getattr(model_config, "model", "")),
-            "dtype": str(getattr(model_config, "dtype", "")).removeprefix("torch."),
-            "max_model_len": getattr(model_config, "max_model_len", None),
-        },
-        "kv_cache": {
-            "block_size": getattr(cache_config, "block_size", None),
-            "num_blocks": int(num_blocks) if num_blocks is not None else None,
-        },
-    }))
+    return _reply(
+        WorkerIdentity.model_validate(
+            {
+                "rank": _rank(self),
+                "local_rank": int(getattr(self, "local_rank", 0) or 0),
+                "world_size": int(getattr(parallel_config, "world_size", 1) or 1),
+                "pid": os.getpid(),
+                "hostname": socket.gethostname(),
+                "device": str(device) if device is not None else None,
+                "plugin_version": __version__,
+                "torch_version": str(torch.__version__),
+                "vllm_version": vllm_version,
+                "model": {
+                    "name": str(getattr(model_config, "served_model_name", None) or getattr(model_config, "model", "")),
+                    "path": str(getattr(model_config, "model", "")),
+                    "dtype": str(getattr(model_config, "dtype", "")).removeprefix("torch."),
+                    "max_model_len": getattr(model_config, "max_model_len", None),
+                },
+                "kv_cache": {
+                    "block_size": getattr(cache_config, "block_size", None),
+                    "num_blocks": int(num_blocks) if num_blocks is not None else None,
+                },
+            }
+        )
+    )
 
 
 def my_pkg_config(self: Any, section: str) -> dict[str, Any]:
     """One vLLM config section of this worker as JSON-safe data, by the section's allowlist (`jsonable`)."""
     if section not in CONFIG_SECTIONS:
-        raise ValueError(
-            f"unknown config section {section!r}; valid: {', '.join(CONFIG_SECTIONS)}"
-        )
+        raise ValueError(f"unknown config section {section!r}; valid: {', '.join(CONFIG_SECTIONS)}")
     config = getattr(self, f"{section}_config", None)
     return _reply(WorkerConfig(rank=_rank(self), section=section, config=redacted_section(config, section)))
 
@@ -169,8 +170,15 @@ def _flashhead_state(worker: Any) -> FlashHeadState:
 
 def my_pkg_status(self: Any) -> dict[str, Any]:
     """Everything about this worker that changes while it runs: memory, FlashHead state and counters."""
-    return _reply(WorkerStatus(rank=_rank(self), pid=os.getpid(), memory=_memory(self),
-                               settings_version=_ledger(self).version, flashhead=_flashhead_state(self)))
+    return _reply(
+        WorkerStatus(
+            rank=_rank(self),
+            pid=os.getpid(),
+            memory=_memory(self),
+            settings_version=_ledger(self).version,
+            flashhead=_flashhead_state(self),
+        )
+    )
 
 
 def my_pkg_flashhead_status(self: Any) -> dict[str, Any]:
@@ -222,8 +230,7 @@ def my_pkg_flashhead_apply(self: Any, update: dict[str, Any]) -> dict[str, Any]:
     For `LLM.collective_rpc` (one process, nothing to serialise against but the API servers): refused while
     an API server's update holds this worker's lease.
     """
-    txn = Transaction(id=f"local-{os.getpid()}-{_ledger(self).version}", holder=f"local pid {os.getpid()}",
-                      lease_s=1.0)
+    txn = Transaction(id=f"local-{os.getpid()}-{_ledger(self).version}", holder=f"local pid {os.getpid()}", lease_s=1.0)
     conflict = _ledger(self).conflict(txn)
     if conflict is not None:
         raise RuntimeError(f"another update holds this worker's lease ({conflict[1]})")
@@ -235,20 +242,30 @@ def my_pkg_flashhead_prepare(self: Any, update: dict[str, Any], txn: dict[str, A
     transaction = Transaction.model_validate(txn)
     ledger = _ledger(self)
     state = _flashhead_state(self)
-    before = SettingsValues(enabled=state.enabled, n_probes=state.n_probes,
-                            dense_batch_threshold=state.dense_batch_threshold)
+    before = SettingsValues(
+        enabled=state.enabled, n_probes=state.n_probes, dense_batch_threshold=state.dense_batch_threshold
+    )
     conflict = ledger.conflict(transaction)
     errors = [] if conflict is not None else _update_errors(self, update)
     granted = conflict is None and not errors
     if granted:
         ledger.take(transaction)
-    return _reply(PrepareReply(rank=_rank(self), granted=granted, version=ledger.version, errors=errors,
-                               conflict=conflict[0] if conflict else None,
-                               holder=conflict[1] if conflict else None, before=before))
+    return _reply(
+        PrepareReply(
+            rank=_rank(self),
+            granted=granted,
+            version=ledger.version,
+            errors=errors,
+            conflict=conflict[0] if conflict else None,
+            holder=conflict[1] if conflict else None,
+            before=before,
+        )
+    )
 
 
-def my_pkg_flashhead_commit(self: Any, update: dict[str, Any], txn: dict[str, Any],
-                            entry: dict[str, Any] | None = None) -> dict[str, Any]:
+def my_pkg_flashhead_commit(
+    self: Any, update: dict[str, Any], txn: dict[str, Any], entry: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Phase 2: apply the update `txn` prepared, set its version, keep `entry` in the audit, release the lease."""
     transaction = Transaction.model_validate(txn)
     ledger = _ledger(self)

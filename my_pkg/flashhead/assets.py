@@ -20,9 +20,22 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FlashHeadAssetError", "CACHE_DIR_NAME", "CACHE_FILE_NAME", "CALIBRATION_KEY", "read_config",
-           "find_head_key", "load_lm_head", "save_clustering_cache", "load_clustering_cache", "load_assets",
-           "update_config", "flashhead_architecture", "prepare_output_dir", "text_config"]
+__all__ = [
+    "FlashHeadAssetError",
+    "CACHE_DIR_NAME",
+    "CACHE_FILE_NAME",
+    "CALIBRATION_KEY",
+    "read_config",
+    "find_head_key",
+    "load_lm_head",
+    "save_clustering_cache",
+    "load_clustering_cache",
+    "load_assets",
+    "update_config",
+    "flashhead_architecture",
+    "prepare_output_dir",
+    "text_config",
+]
 
 CACHE_DIR_NAME = "flash_head_assets"
 CACHE_FILE_NAME = "clustering_cache.safetensors"
@@ -30,10 +43,17 @@ CALIBRATION_KEY = "flash_head_calibration"
 ARCH_PREFIX = "FlashHead"
 
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
-_EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-               "language_model.model.embed_tokens.weight", "model.model.embed_tokens.weight",
-               "embed_tokens.weight", "transformer.wte.weight", "model.decoder.embed_tokens.weight",
-               "transformer.word_embeddings.weight", "gpt_neox.embed_in.weight")
+_EMBED_KEYS = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "model.model.embed_tokens.weight",
+    "embed_tokens.weight",
+    "transformer.wte.weight",
+    "model.decoder.embed_tokens.weight",
+    "transformer.word_embeddings.weight",
+    "gpt_neox.embed_in.weight",
+)
 
 
 class FlashHeadAssetError(Exception):
@@ -79,7 +99,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         try:
             with safe_open(str(single), framework="pt") as f:
                 return {k: single for k in f.keys()}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a bad file
             raise FlashHeadAssetError(f"cannot read {single}: {e}") from None
     raise FlashHeadAssetError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
@@ -98,8 +118,7 @@ def find_head_key(keys, config: dict) -> str:
         return emb[0]
     if lm:
         return lm[0]
-    raise FlashHeadAssetError("no LM head found: expected one of "
-                              + ", ".join(_LM_HEAD_KEYS + _EMBED_KEYS[:2]))
+    raise FlashHeadAssetError("no LM head found: expected one of " + ", ".join(_LM_HEAD_KEYS + _EMBED_KEYS[:2]))
 
 
 def load_lm_head(model_dir: str | Path, config: dict | None = None) -> tuple[torch.Tensor, str]:
@@ -116,7 +135,7 @@ def load_lm_head(model_dir: str | Path, config: dict | None = None) -> tuple[tor
     try:
         with safe_open(str(path), framework="pt") as f:
             w = f.get_tensor(key)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a bad file
         raise FlashHeadAssetError(f"cannot read tensor {key!r} from {path}: {e}") from None
     if w.dim() != 2:
         raise FlashHeadAssetError(f"LM head {key!r} must be 2-D, got shape {tuple(w.shape)}")
@@ -130,8 +149,13 @@ def save_clustering_cache(model_dir: str | Path, centroids: torch.Tensor, assign
     out = Path(model_dir) / CACHE_DIR_NAME
     out.mkdir(parents=True, exist_ok=True)
     path = out / CACHE_FILE_NAME
-    save_file({"centroids": centroids.detach().float().t().contiguous().cpu(),
-               "cluster_assignments": assignments.detach().to(torch.int64).contiguous().cpu()}, str(path))
+    save_file(
+        {
+            "centroids": centroids.detach().float().t().contiguous().cpu(),
+            "cluster_assignments": assignments.detach().to(torch.int64).contiguous().cpu(),
+        },
+        str(path),
+    )
     return path
 
 
@@ -153,7 +177,7 @@ def load_clustering_cache(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]
             assign = f.get_tensor("cluster_assignments")
     except FlashHeadAssetError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a bad file
         raise FlashHeadAssetError(f"cannot read {path}: {e}") from None
     while cent.dim() > 2 and cent.shape[0] == 1:
         cent = cent[0]
@@ -260,8 +284,10 @@ def stop_and_special_token_ids(model_dir: str | Path | None, config: dict) -> li
     ids = set(_ids(text_config(config).get("eos_token_id")) + _ids(config.get("eos_token_id")))
     if model_dir is not None:
         root = Path(model_dir)
-        for name, read in (("generation_config.json", lambda d: _ids(d.get("eos_token_id"))),
-                           ("tokenizer_config.json", _special_added_tokens)):
+        for name, read in (
+            ("generation_config.json", lambda d: _ids(d.get("eos_token_id"))),
+            ("tokenizer_config.json", _special_added_tokens),
+        ):
             try:
                 ids.update(read(json.loads((root / name).read_text())))
             except (OSError, ValueError, AttributeError, TypeError):
@@ -271,5 +297,8 @@ def stop_and_special_token_ids(model_dir: str | Path | None, config: dict) -> li
 
 def _special_added_tokens(tokenizer_config: dict) -> list[int]:
     added = tokenizer_config.get("added_tokens_decoder") or {}
-    return [int(token_id) for token_id, entry in added.items()
-            if isinstance(entry, dict) and entry.get("special") and str(token_id).isdigit()]
+    return [
+        int(token_id)
+        for token_id, entry in added.items()
+        if isinstance(entry, dict) and entry.get("special") and str(token_id).isdigit()
+    ]

@@ -38,9 +38,21 @@ from tqdm.auto import tqdm
 
 from .head import build_members, rows_scored
 
-__all__ = ["ClusterTargets", "CalibrationResult", "ProbeChoice", "StageOneCalibration", "cluster_targets",
-           "split_rows", "fit_stage1", "probes_needed", "agreement_curve", "agreement_lower_bound", "scored_fraction",
-           "choose_n_probes", "calibrate_stage1"]
+__all__ = [
+    "ClusterTargets",
+    "CalibrationResult",
+    "ProbeChoice",
+    "StageOneCalibration",
+    "cluster_targets",
+    "split_rows",
+    "fit_stage1",
+    "probes_needed",
+    "agreement_curve",
+    "agreement_lower_bound",
+    "scored_fraction",
+    "choose_n_probes",
+    "calibrate_stage1",
+]
 
 _MAX_WINNERS = 8  # distinct clusters holding a tied dense argmax kept per state
 
@@ -64,13 +76,23 @@ class ClusterTargets:
     winners: torch.Tensor
     pinned_winner: torch.Tensor
 
-    def rows(self, index: torch.Tensor | slice) -> "ClusterTargets":
-        return ClusterTargets(self.top_ids[index], self.top_log_mass[index], self.log_z[index],
-                              self.winners[index], self.pinned_winner[index])
+    def rows(self, index: torch.Tensor | slice) -> ClusterTargets:
+        return ClusterTargets(
+            self.top_ids[index],
+            self.top_log_mass[index],
+            self.log_z[index],
+            self.winners[index],
+            self.pinned_winner[index],
+        )
 
-    def to(self, device: torch.device | str) -> "ClusterTargets":
-        return ClusterTargets(self.top_ids.to(device), self.top_log_mass.to(device), self.log_z.to(device),
-                              self.winners.to(device), self.pinned_winner.to(device))
+    def to(self, device: torch.device | str) -> ClusterTargets:
+        return ClusterTargets(
+            self.top_ids.to(device),
+            self.top_log_mass.to(device),
+            self.log_z.to(device),
+            self.winners.to(device),
+            self.pinned_winner.to(device),
+        )
 
 
 @dataclass
@@ -107,8 +129,9 @@ def _chunk_rows(vocab_size: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (16 * max(1, vocab_size)))
 
 
-def _cluster_layout(assignments: torch.Tensor, num_clusters: int, device: torch.device
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _cluster_layout(
+    assignments: torch.Tensor, num_clusters: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(members [C, cap], valid [C, cap])``: the cluster map with its padding slots marked invalid."""
     members = build_members(assignments, num_clusters).to(device)
     sizes = torch.bincount(assignments.to(device), minlength=num_clusters)
@@ -120,10 +143,18 @@ def _pinned_tensor(pinned_ids, vocab_size: int, device: torch.device) -> torch.T
     return torch.tensor(ids, dtype=torch.int64, device=device)
 
 
-def cluster_targets(weight: torch.Tensor, assignments: torch.Tensor, hidden: torch.Tensor, *,
-                    num_clusters: int | None = None, top_k: int = 64, pinned_ids=(),
-                    chunk_bytes: int = 512 << 20, device: str | torch.device = "cpu",
-                    progress: bool = False) -> ClusterTargets:
+def cluster_targets(
+    weight: torch.Tensor,
+    assignments: torch.Tensor,
+    hidden: torch.Tensor,
+    *,
+    num_clusters: int | None = None,
+    top_k: int = 64,
+    pinned_ids=(),
+    chunk_bytes: int = 512 << 20,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> ClusterTargets:
     """Dense float32 targets of ``hidden`` ``[N, H]`` for the head ``weight`` ``[>=V, H]``.
 
     ``assignments`` ``[V]`` gives each token's cluster; ``pinned_ids`` are tokens scored exactly on
@@ -150,18 +181,18 @@ def cluster_targets(weight: torch.Tensor, assignments: torch.Tensor, hidden: tor
     step = _chunk_rows(v, chunk_bytes)
     cluster_ids = torch.arange(c, device=device)
     for s in tqdm(range(0, n, step), desc="dense targets", unit="chunk", leave=False, disable=not progress):
-        logits = hidden[s:s + step].to(device, torch.float32) @ weight32.t()
+        logits = hidden[s : s + step].to(device, torch.float32) @ weight32.t()
         best = logits.max(dim=1, keepdim=True).values
         grouped = logits[:, members].masked_fill_(~valid, float("-inf"))  # [b, C, cap]
         log_mass = torch.logsumexp(grouped, dim=2)
-        log_z[s:s + step] = torch.logsumexp(log_mass, dim=1).cpu()
+        log_z[s : s + step] = torch.logsumexp(log_mass, dim=1).cpu()
         vals, ids = torch.topk(log_mass, k, dim=1)
-        top_ids[s:s + step], top_log_mass[s:s + step] = ids.cpu(), vals.cpu()
+        top_ids[s : s + step], top_log_mass[s : s + step] = ids.cpu(), vals.cpu()
         wins = (grouped >= best.unsqueeze(2)).any(dim=2)
         ranked = torch.where(wins, cluster_ids, c).sort(dim=1).values[:, :_MAX_WINNERS]
-        winners[s:s + step, : ranked.shape[1]] = torch.where(ranked < c, ranked, -1).cpu()
+        winners[s : s + step, : ranked.shape[1]] = torch.where(ranked < c, ranked, -1).cpu()
         if pinned.numel():
-            pinned_winner[s:s + step] = (logits[:, pinned] >= best).any(dim=1).cpu()
+            pinned_winner[s : s + step] = (logits[:, pinned] >= best).any(dim=1).cpu()
     return ClusterTargets(top_ids, top_log_mass, log_z, winners, pinned_winner)
 
 
@@ -185,8 +216,9 @@ def split_rows(n: int, heldout_fraction: float, seed: int, block: int = 256) -> 
     return torch.nonzero(~held).flatten(), torch.nonzero(held).flatten()
 
 
-def _losses(scores: torch.Tensor, log_size: torch.Tensor, t: ClusterTargets, top1_weight: float,
-            level_weight: float) -> torch.Tensor:
+def _losses(
+    scores: torch.Tensor, log_size: torch.Tensor, t: ClusterTargets, top1_weight: float, level_weight: float
+) -> torch.Tensor:
     """Per-row objective (terms 1-3 of the module docstring) for ``scores = hidden @ centroids.T``."""
     logits = scores + log_size
     log_total = torch.logsumexp(logits, dim=1)
@@ -203,11 +235,27 @@ def _losses(scores: torch.Tensor, log_size: torch.Tensor, t: ClusterTargets, top
     return loss
 
 
-def fit_stage1(weight: torch.Tensor, assignments: torch.Tensor, hidden: torch.Tensor, init: torch.Tensor, *,
-               pinned_ids=(), heldout_fraction: float = 0.2, seed: int = 0, epochs: int = 30,
-               batch_size: int = 256, lr: float = 0.01, top1_weight: float = 0.5, level_weight: float = 0.1,
-               decay: float = 0.0, patience: int = 4, top_k: int = 64, device: str | torch.device = "cpu",
-               targets: ClusterTargets | None = None, progress: bool = False) -> CalibrationResult:
+def fit_stage1(
+    weight: torch.Tensor,
+    assignments: torch.Tensor,
+    hidden: torch.Tensor,
+    init: torch.Tensor,
+    *,
+    pinned_ids=(),
+    heldout_fraction: float = 0.2,
+    seed: int = 0,
+    epochs: int = 30,
+    batch_size: int = 256,
+    lr: float = 0.01,
+    top1_weight: float = 0.5,
+    level_weight: float = 0.1,
+    decay: float = 0.0,
+    patience: int = 4,
+    top_k: int = 64,
+    device: str | torch.device = "cpu",
+    targets: ClusterTargets | None = None,
+    progress: bool = False,
+) -> CalibrationResult:
     """Fit stage-1 vectors ``[C, H]`` to calibration ``hidden`` states ``[N, H]`` (see the module docstring).
 
     ``init``: the weight-only centroids ``[C, H]`` (e.g. :func:`~my_pkg.flashhead.clustering.score_centroids`),
@@ -228,8 +276,16 @@ def fit_stage1(weight: torch.Tensor, assignments: torch.Tensor, hidden: torch.Te
         raise ValueError("hidden states contain non-finite values")
     fit_rows, held_rows = split_rows(hidden.shape[0], heldout_fraction, seed)
     if targets is None:
-        targets = cluster_targets(weight, assignments, hidden, num_clusters=c, top_k=top_k, pinned_ids=pinned_ids,
-                                  device=device, progress=progress)
+        targets = cluster_targets(
+            weight,
+            assignments,
+            hidden,
+            num_clusters=c,
+            top_k=top_k,
+            pinned_ids=pinned_ids,
+            device=device,
+            progress=progress,
+        )
     hidden = hidden.to(device, torch.float32)
     targets = targets.to(device)
     fit_h, fit_t = hidden[fit_rows.to(device)], targets.rows(fit_rows.to(device))
@@ -257,10 +313,10 @@ def fit_stage1(weight: torch.Tensor, assignments: torch.Tensor, hidden: torch.Te
     for epoch in bar:
         order = torch.randperm(fit_h.shape[0], generator=gen).to(device)
         for s in range(0, order.numel(), batch_size):
-            idx = order[s:s + batch_size]
+            idx = order[s : s + batch_size]
             loss = _losses(fit_h[idx] @ centroids.t(), log_size, fit_t.rows(idx), top1_weight, level_weight).mean()
             if decay:
-                loss = loss + decay * (centroids - anchor).pow(2).sum(dim=1).mean() / scale ** 2
+                loss = loss + decay * (centroids - anchor).pow(2).sum(dim=1).mean() / scale**2
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -273,12 +329,24 @@ def fit_stage1(weight: torch.Tensor, assignments: torch.Tensor, hidden: torch.Te
             if since_best >= patience:
                 break
     bar.close()
-    return CalibrationResult(centroids=best_state.cpu(), fit_rows=fit_rows, heldout_rows=held_rows, epochs=epoch,
-                             best_epoch=best_epoch, heldout_loss=history)
+    return CalibrationResult(
+        centroids=best_state.cpu(),
+        fit_rows=fit_rows,
+        heldout_rows=held_rows,
+        epochs=epoch,
+        best_epoch=best_epoch,
+        heldout_loss=history,
+    )
 
 
-def probes_needed(centroids: torch.Tensor, hidden: torch.Tensor, targets: ClusterTargets, *,
-                  dtype: torch.dtype = torch.float32, batch: int = 4096) -> torch.Tensor:
+def probes_needed(
+    centroids: torch.Tensor,
+    hidden: torch.Tensor,
+    targets: ClusterTargets,
+    *,
+    dtype: torch.dtype = torch.float32,
+    batch: int = 4096,
+) -> torch.Tensor:
     """``[N]`` smallest probe count at which FlashHead's greedy token is a dense float32 argmax.
 
     Stage 1 is scored as serving scores it (``hidden @ centroids.T`` in ``dtype``, the head's).  A
@@ -288,12 +356,12 @@ def probes_needed(centroids: torch.Tensor, hidden: torch.Tensor, targets: Cluste
     cent = centroids.to(hidden.device, dtype)
     out = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
     for s in range(0, hidden.shape[0], batch):
-        scores = torch.nn.functional.linear(hidden[s:s + batch].to(dtype), cent).float()
-        win = targets.winners[s:s + batch].to(hidden.device)
+        scores = torch.nn.functional.linear(hidden[s : s + batch].to(dtype), cent).float()
+        win = targets.winners[s : s + batch].to(hidden.device)
         win_score = scores.gather(1, win.clamp_min(0)).masked_fill(win < 0, float("-inf"))
         rank = (scores.unsqueeze(1) >= win_score.unsqueeze(2)).sum(dim=2)  # [b, T], itself included
         need = rank.masked_fill(win < 0, scores.shape[1]).min(dim=1).values
-        out[s:s + batch] = torch.where(targets.pinned_winner[s:s + batch].to(hidden.device), 0, need)
+        out[s : s + batch] = torch.where(targets.pinned_winner[s : s + batch].to(hidden.device), 0, need)
     return out.cpu()
 
 
@@ -303,8 +371,7 @@ def agreement_curve(needed: torch.Tensor, num_clusters: int) -> torch.Tensor:
     return counts.cumsum(0).double() / max(1, needed.numel())
 
 
-def scored_fraction(num_clusters: int, n_probes: int, cluster_size: int, vocab_size: int, num_pinned: int = 0
-                    ) -> float:
+def scored_fraction(num_clusters: int, n_probes: int, cluster_size: int, vocab_size: int, num_pinned: int = 0) -> float:
     """Share of the vocabulary scored per step: centroids, probed members and pinned ids."""
     return rows_scored(num_clusters, n_probes, cluster_size, pinned=num_pinned) / vocab_size
 
@@ -324,18 +391,40 @@ def agreement_lower_bound(agreement: torch.Tensor, n: int, confidence: float) ->
     return (p + z2n / 2 - z * torch.sqrt(p * (1 - p) / n + z2n / (4 * n))) / (1 + z2n)
 
 
-def _probe_choice(curve: torch.Tensor, p: int, n: int, target: float, confidence: float, num_clusters: int,
-                  cluster_size: int, vocab_size: int, num_pinned: int) -> ProbeChoice:
+def _probe_choice(
+    curve: torch.Tensor,
+    p: int,
+    n: int,
+    target: float,
+    confidence: float,
+    num_clusters: int,
+    cluster_size: int,
+    vocab_size: int,
+    num_pinned: int,
+) -> ProbeChoice:
     lower = 1.0 if p == num_clusters else float(agreement_lower_bound(curve[p], n, confidence))
-    return ProbeChoice(n_probes=p, agreement=float(curve[p]), agreement_lower=lower,
-                       scored_fraction=scored_fraction(num_clusters, p, cluster_size, vocab_size, num_pinned),
-                       reached=p < num_clusters and float(curve[p]) >= target - 1e-12,
-                       certified=lower >= target - 1e-12)
+    return ProbeChoice(
+        n_probes=p,
+        agreement=float(curve[p]),
+        agreement_lower=lower,
+        scored_fraction=scored_fraction(num_clusters, p, cluster_size, vocab_size, num_pinned),
+        reached=p < num_clusters and float(curve[p]) >= target - 1e-12,
+        certified=lower >= target - 1e-12,
+    )
 
 
-def choose_n_probes(needed: torch.Tensor, num_clusters: int, cluster_size: int, vocab_size: int, *,
-                    target_agreement: float = 0.995, confidence: float = 0.95, num_pinned: int = 0,
-                    n_probes: int | None = None, margin: float = 1.0) -> ProbeChoice:
+def choose_n_probes(
+    needed: torch.Tensor,
+    num_clusters: int,
+    cluster_size: int,
+    vocab_size: int,
+    *,
+    target_agreement: float = 0.995,
+    confidence: float = 0.95,
+    num_pinned: int = 0,
+    n_probes: int | None = None,
+    margin: float = 1.0,
+) -> ProbeChoice:
     """The probe count to write, from the held-out states' :func:`probes_needed`.
 
     The smallest count whose held-out agreement reaches ``target_agreement`` with ``confidence``
@@ -396,32 +485,58 @@ class StageOneCalibration:
 
     def record(self) -> dict:
         """What config.json keeps about the calibration (``flash_head_calibration``)."""
-        return {"rows": int(self.fit.fit_rows.numel() + self.fit.heldout_rows.numel()),
-                "fit_rows": int(self.fit.fit_rows.numel()), "heldout_rows": int(self.fit.heldout_rows.numel()),
-                "target_agreement": self.target_agreement, "confidence": self.confidence,
-                "n_probes": self.n_probes, "scored_fraction": round(self.choice.scored_fraction, 6),
-                "heldout_agreement": round(self.choice.agreement, 6),
-                "heldout_agreement_lower_bound": round(self.choice.agreement_lower, 6),
-                "target_reached": self.choice.reached, "target_certified": self.choice.certified,
-                "weight_only_heldout_agreement": round(self.weight_only_same_probes.agreement, 6),
-                "weight_only_n_probes": self.weight_only.n_probes,
-                "pinned_ids": self.num_pinned, "epochs": self.fit.epochs, "best_epoch": self.fit.best_epoch,
-                "margin": self.margin,
-                "validation_rows": None if self.pooled is None else int(
-                    self.fit.heldout_rows.numel() + sum(rows for rows, _, _ in self.validation.values())),
-                "validation_agreement_lower_bound": None if self.pooled is None else round(
-                    self.pooled.agreement_lower, 6),
-                "validation": {name: {"rows": rows, "n_probes_needed": alone.n_probes,
-                                      "agreement": round(at.agreement, 6),
-                                      "agreement_lower_bound": round(at.agreement_lower, 6)}
-                               for name, (rows, alone, at) in self.validation.items()}}
+        return {
+            "rows": int(self.fit.fit_rows.numel() + self.fit.heldout_rows.numel()),
+            "fit_rows": int(self.fit.fit_rows.numel()),
+            "heldout_rows": int(self.fit.heldout_rows.numel()),
+            "target_agreement": self.target_agreement,
+            "confidence": self.confidence,
+            "n_probes": self.n_probes,
+            "scored_fraction": round(self.choice.scored_fraction, 6),
+            "heldout_agreement": round(self.choice.agreement, 6),
+            "heldout_agreement_lower_bound": round(self.choice.agreement_lower, 6),
+            "target_reached": self.choice.reached,
+            "target_certified": self.choice.certified,
+            "weight_only_heldout_agreement": round(self.weight_only_same_probes.agreement, 6),
+            "weight_only_n_probes": self.weight_only.n_probes,
+            "pinned_ids": self.num_pinned,
+            "epochs": self.fit.epochs,
+            "best_epoch": self.fit.best_epoch,
+            "margin": self.margin,
+            "validation_rows": None
+            if self.pooled is None
+            else int(self.fit.heldout_rows.numel() + sum(rows for rows, _, _ in self.validation.values())),
+            "validation_agreement_lower_bound": None if self.pooled is None else round(self.pooled.agreement_lower, 6),
+            "validation": {
+                name: {
+                    "rows": rows,
+                    "n_probes_needed": alone.n_probes,
+                    "agreement": round(at.agreement, 6),
+                    "agreement_lower_bound": round(at.agreement_lower, 6),
+                }
+                for name, (rows, alone, at) in self.validation.items()
+            },
+        }
 
 
-def calibrate_stage1(weight: torch.Tensor, assignments: torch.Tensor, init: torch.Tensor, hidden: torch.Tensor, *,
-                     pinned_ids=(), target_agreement: float = 0.995, confidence: float = 0.95,
-                     n_probes: int | None = None, heldout_fraction: float = 0.2, seed: int = 0,
-                     margin: float = PROBE_MARGIN, validation: dict[str, torch.Tensor] | None = None,
-                     device: str | torch.device = "cpu", progress: bool = False, **fit_options) -> StageOneCalibration:
+def calibrate_stage1(
+    weight: torch.Tensor,
+    assignments: torch.Tensor,
+    init: torch.Tensor,
+    hidden: torch.Tensor,
+    *,
+    pinned_ids=(),
+    target_agreement: float = 0.995,
+    confidence: float = 0.95,
+    n_probes: int | None = None,
+    heldout_fraction: float = 0.2,
+    seed: int = 0,
+    margin: float = PROBE_MARGIN,
+    validation: dict[str, torch.Tensor] | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    **fit_options,
+) -> StageOneCalibration:
     """Fit the stage-1 vectors and choose ``n_probes`` on states the fit never saw.
 
     1. Dense float32 targets of every state (:func:`cluster_targets`).
@@ -441,10 +556,22 @@ def calibrate_stage1(weight: torch.Tensor, assignments: torch.Tensor, init: torc
     v = assignments.numel()
     pinned = sorted({int(i) for i in pinned_ids if 0 <= int(i) < v})
     top_k = fit_options.pop("top_k", 64)
-    targets = cluster_targets(weight, assignments, hidden, num_clusters=c, pinned_ids=pinned, top_k=top_k,
-                              device=device, progress=progress)
-    fit = fit_stage1(weight, assignments, hidden, init, pinned_ids=pinned, heldout_fraction=heldout_fraction,
-                     seed=seed, device=device, targets=targets, progress=progress, **fit_options)
+    targets = cluster_targets(
+        weight, assignments, hidden, num_clusters=c, pinned_ids=pinned, top_k=top_k, device=device, progress=progress
+    )
+    fit = fit_stage1(
+        weight,
+        assignments,
+        hidden,
+        init,
+        pinned_ids=pinned,
+        heldout_fraction=heldout_fraction,
+        seed=seed,
+        device=device,
+        targets=targets,
+        progress=progress,
+        **fit_options,
+    )
     layout = (c, int(torch.bincount(assignments, minlength=c).max()), v)
     held_h, held_t = hidden[fit.heldout_rows].to(device), targets.rows(fit.heldout_rows)
     needed = {"heldout": probes_needed(fit.centroids, held_h, held_t, dtype=weight.dtype)}
@@ -454,24 +581,49 @@ def calibrate_stage1(weight: torch.Tensor, assignments: torch.Tensor, init: torc
         needed[name] = probes_needed(fit.centroids, states, t, dtype=weight.dtype)
     # Each set's estimate must show at most 1/margin of the allowed misses; the states of all sets pooled must
     # show the target with the confidence (a small held-out split alone would demand zero misses).
-    per_set = {name: choose_n_probes(n, *layout, num_pinned=len(pinned), target_agreement=target_agreement,
-                                     confidence=0.5, margin=margin) for name, n in needed.items()}
-    pooled = choose_n_probes(torch.cat(list(needed.values())), *layout, num_pinned=len(pinned),
-                             target_agreement=target_agreement, confidence=confidence)
+    per_set = {
+        name: choose_n_probes(
+            n, *layout, num_pinned=len(pinned), target_agreement=target_agreement, confidence=0.5, margin=margin
+        )
+        for name, n in needed.items()
+    }
+    pooled = choose_n_probes(
+        torch.cat(list(needed.values())),
+        *layout,
+        num_pinned=len(pinned),
+        target_agreement=target_agreement,
+        confidence=confidence,
+    )
     written = n_probes if n_probes is not None else max([pooled.n_probes, *(ch.n_probes for ch in per_set.values())])
-    at_written = {name: choose_n_probes(n, *layout, num_pinned=len(pinned), n_probes=written, **choose)
-                  for name, n in needed.items()}
+    at_written = {
+        name: choose_n_probes(n, *layout, num_pinned=len(pinned), n_probes=written, **choose)
+        for name, n in needed.items()
+    }
     needed_init = probes_needed(init, held_h, held_t, dtype=weight.dtype)
     return StageOneCalibration(
-        centroids=fit.centroids, choice=at_written["heldout"],
+        centroids=fit.centroids,
+        choice=at_written["heldout"],
         weight_only=choose_n_probes(needed_init, *layout, num_pinned=len(pinned), **choose),
-        weight_only_same_probes=choose_n_probes(needed_init, *layout, num_pinned=len(pinned), n_probes=written,
-                                                **choose),
-        fit=fit, num_pinned=len(pinned), target_agreement=target_agreement, confidence=confidence, margin=margin,
-        pooled=choose_n_probes(torch.cat(list(needed.values())), *layout, num_pinned=len(pinned), n_probes=written,
-                               target_agreement=target_agreement, confidence=confidence),
-        validation={name: (int(needed[name].numel()), per_set[name], at_written[name]) for name in needed
-                    if name != "heldout"})
+        weight_only_same_probes=choose_n_probes(
+            needed_init, *layout, num_pinned=len(pinned), n_probes=written, **choose
+        ),
+        fit=fit,
+        num_pinned=len(pinned),
+        target_agreement=target_agreement,
+        confidence=confidence,
+        margin=margin,
+        pooled=choose_n_probes(
+            torch.cat(list(needed.values())),
+            *layout,
+            num_pinned=len(pinned),
+            n_probes=written,
+            target_agreement=target_agreement,
+            confidence=confidence,
+        ),
+        validation={
+            name: (int(needed[name].numel()), per_set[name], at_written[name]) for name in needed if name != "heldout"
+        },
+    )
 
 
 # ------------------------------------------------------------------------------------- self-calibration
@@ -479,9 +631,36 @@ def calibrate_stage1(weight: torch.Tensor, assignments: torch.Tensor, init: torc
 #: Short, varied openings the dense model continues when a build has no calibration text ("" is BOS alone):
 #: prose, code, lists, dialogue, markup and numbers, so the sampled text covers more than one style.
 SELF_CALIBRATION_PROMPTS: tuple[str, ...] = (
-    "", "The", "In this", "Once upon a time", "Hello", "We", "It is", "A", "Why", "How to", "Note:",
-    "Example:", "Summary:", "Q:", "1.", "-", "#", "def ", "import ", "class ", "for i in", "if ", "return",
-    "This function", "The following", "{\"", "<p>", "$ ", "2024", "Table",
+    "",
+    "The",
+    "In this",
+    "Once upon a time",
+    "Hello",
+    "We",
+    "It is",
+    "A",
+    "Why",
+    "How to",
+    "Note:",
+    "Example:",
+    "Summary:",
+    "Q:",
+    "1.",
+    "-",
+    "#",
+    "def ",
+    "import ",
+    "class ",
+    "for i in",
+    "if ",
+    "return",
+    "This function",
+    "The following",
+    '{"',
+    "<p>",
+    "$ ",
+    "2024",
+    "Table",
 )
 
 
@@ -497,14 +676,23 @@ class SelfCalibration:
     settings: dict
 
     def record(self) -> dict:
-        return {**self.settings, "states": int(self.hidden.shape[0]), "sequences": self.sequences,
-                "rounds": self.rounds, "seconds": round(self.seconds, 1), "stopped_by_time": self.stopped_by_time}
+        return {
+            **self.settings,
+            "states": int(self.hidden.shape[0]),
+            "sequences": self.sequences,
+            "rounds": self.rounds,
+            "seconds": round(self.seconds, 1),
+            "stopped_by_time": self.stopped_by_time,
+        }
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
     ids: set[int] = set()
-    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                  getattr(model.config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    for value in (
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
@@ -526,10 +714,19 @@ def _final_norm_needed(model, device) -> bool:
 
 
 @torch.no_grad()
-def generate_calibration_states(model, tokenizer, *, max_states: int = 16384, new_tokens: int = 96,
-                                temperature: float = 1.0, top_p: float = 0.95, seed: int = 0,
-                                time_budget_s: float = 600.0, prompts: tuple[str, ...] = SELF_CALIBRATION_PROMPTS,
-                                progress: bool = False) -> SelfCalibration:
+def generate_calibration_states(
+    model,
+    tokenizer,
+    *,
+    max_states: int = 16384,
+    new_tokens: int = 96,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    seed: int = 0,
+    time_budget_s: float = 600.0,
+    prompts: tuple[str, ...] = SELF_CALIBRATION_PROMPTS,
+    progress: bool = False,
+) -> SelfCalibration:
     """Sample the dense model from ``prompts`` and keep the LM head's input at every generated position.
 
     A decode step sees the hidden state of the model's own previous outputs, so these states are what a
@@ -548,8 +745,11 @@ def generate_calibration_states(model, tokenizer, *, max_states: int = 16384, ne
     eos = _eos_ids(model, tokenizer)
     start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos) if eos else 0)
-    encoded = [([] if start_id is None else [int(start_id)])
-               + list(tokenizer(p, add_special_tokens=False).input_ids if p else []) for p in prompts]
+    encoded = [
+        ([] if start_id is None else [int(start_id)])
+        + list(tokenizer(p, add_special_tokens=False).input_ids if p else [])
+        for p in prompts
+    ]
     encoded = [e if e else [pad_id] for e in encoded]
     width = max(len(e) for e in encoded)
     context = getattr(model.config, "max_position_embeddings", None)
@@ -569,18 +769,30 @@ def generate_calibration_states(model, tokenizer, *, max_states: int = 16384, ne
             break
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed + rounds)
-            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=temperature,
-                                 top_p=top_p, top_k=0, max_new_tokens=steps, min_new_tokens=0, pad_token_id=pad_id,
-                                 eos_token_id=sorted(eos) or None, output_hidden_states=True,
-                                 return_dict_in_generate=True, max_time=remaining)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=0,
+                max_new_tokens=steps,
+                min_new_tokens=0,
+                pad_token_id=pad_id,
+                eos_token_id=sorted(eos) or None,
+                output_hidden_states=True,
+                return_dict_in_generate=True,
+                max_time=remaining,
+            )
         rounds += 1
         generated = out.sequences[:, width:]
         last = [step[-1][:, -1, :] for step in out.hidden_states]  # [B, H] per step, the head's input
         hs = torch.stack(last[: generated.shape[1]], dim=1)  # [B, T, H]
         if norm is not None:
             hs = norm(hs)
-        is_eos = (torch.isin(generated, eos_tensor) if eos_tensor.numel()
-                  else torch.zeros_like(generated, dtype=torch.bool))
+        is_eos = (
+            torch.isin(generated, eos_tensor) if eos_tensor.numel() else torch.zeros_like(generated, dtype=torch.bool)
+        )
         before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before this position
         keep = hs[before == 0].float().cpu()[: max_states - count]
         states.append(keep)
@@ -591,10 +803,23 @@ def generate_calibration_states(model, tokenizer, *, max_states: int = 16384, ne
             break
     bar.close()
     hidden = torch.cat(states) if states else torch.empty(0, model.config.hidden_size)
-    settings = {"prompts": len(prompts), "new_tokens": steps, "temperature": temperature, "top_p": top_p,
-                "seed": seed, "max_states": max_states, "time_budget_s": time_budget_s}
-    return SelfCalibration(hidden=hidden, sequences=rounds * len(prompts), rounds=rounds,
-                           seconds=time.perf_counter() - t0, stopped_by_time=stopped_by_time, settings=settings)
+    settings = {
+        "prompts": len(prompts),
+        "new_tokens": steps,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "max_states": max_states,
+        "time_budget_s": time_budget_s,
+    }
+    return SelfCalibration(
+        hidden=hidden,
+        sequences=rounds * len(prompts),
+        rounds=rounds,
+        seconds=time.perf_counter() - t0,
+        stopped_by_time=stopped_by_time,
+        settings=settings,
+    )
 
 
 def load_causal_lm(model_dir, device: str = "cpu"):
@@ -609,11 +834,13 @@ def load_causal_lm(model_dir, device: str = "cpu"):
         raise RuntimeError(f"transformers is not installed ({e})") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                           output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, output_loading_info=True
+        )
     except Exception as e:  # noqa: BLE001 - any loading failure means: cannot run this checkpoint
-        raise RuntimeError(f"cannot load the model with transformers: {str(e).splitlines()[0] if str(e) else e!r}"
-                           ) from None
+        raise RuntimeError(
+            f"cannot load the model with transformers: {str(e).splitlines()[0] if str(e) else e!r}"
+        ) from None
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = [k for k in info.get("missing_keys", []) if k not in tied]
     if missing:

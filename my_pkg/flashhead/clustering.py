@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["ClusteringResult", "balanced_kmeans", "cluster_capacities", "random_balanced_assignment",
-           "score_centroids"]
+__all__ = ["ClusteringResult", "balanced_kmeans", "cluster_capacities", "random_balanced_assignment", "score_centroids"]
 
 
 @dataclass
@@ -121,8 +120,9 @@ def _deferred_acceptance(cand_idx: torch.Tensor, cand_score: torch.Tensor, capac
     return assign
 
 
-def _topk_chunked(x: torch.Tensor, cent: torch.Tensor, k: int, chunk: int, mask: torch.Tensor | None = None,
-                  desc: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_chunked(
+    x: torch.Tensor, cent: torch.Tensor, k: int, chunk: int, mask: torch.Tensor | None = None, desc: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k centroid similarity for every row of ``x``, computed in row chunks."""
     n = x.shape[0]
     k = min(k, cent.shape[0] if mask is None else int(mask.sum()))
@@ -132,17 +132,18 @@ def _topk_chunked(x: torch.Tensor, cent: torch.Tensor, k: int, chunk: int, mask:
     if desc is not None:
         it = tqdm(it, desc=desc, leave=False, unit="chunk")
     for s in it:
-        sims = x[s:s + chunk] @ cent.t()
+        sims = x[s : s + chunk] @ cent.t()
         if mask is not None:
             sims.masked_fill_(~mask, float("-inf"))
         v, i = torch.topk(sims, k, dim=1)
-        idx[s:s + chunk] = i
-        val[s:s + chunk] = v.float()
+        idx[s : s + chunk] = i
+        val[s : s + chunk] = v.float()
     return idx, val
 
 
-def _balanced_assign(x: torch.Tensor, cent: torch.Tensor, capacity: torch.Tensor, candidates: int,
-                     chunk: int, desc: str | None = None) -> torch.Tensor:
+def _balanced_assign(
+    x: torch.Tensor, cent: torch.Tensor, capacity: torch.Tensor, candidates: int, chunk: int, desc: str | None = None
+) -> torch.Tensor:
     idx, val = _topk_chunked(x, cent, candidates, chunk, desc=desc)
     assign = _deferred_acceptance(idx, val, capacity)
     # Leftovers: rows whose candidates were all taken by better rows.
@@ -163,8 +164,9 @@ def _normalized_means(x: torch.Tensor, assign: torch.Tensor, c: int) -> torch.Te
     return torch.nn.functional.normalize(sums, dim=1)
 
 
-def score_centroids(weight: torch.Tensor, assignments: torch.Tensor, num_clusters: int,
-                    chunk: int = 16384) -> torch.Tensor:
+def score_centroids(
+    weight: torch.Tensor, assignments: torch.Tensor, num_clusters: int, chunk: int = 16384
+) -> torch.Tensor:
     """Norm-aware stage-1 scoring vectors.
 
     Each centroid is the spherical (unit) mean direction of its members scaled by the
@@ -178,9 +180,9 @@ def score_centroids(weight: torch.Tensor, assignments: torch.Tensor, num_cluster
     sums = torch.zeros(num_clusters, weight.shape[1], dtype=torch.float32, device=dev)
     norm_sum = torch.zeros(num_clusters, dtype=torch.float32, device=dev)
     for s in range(0, weight.shape[0], chunk):
-        w = weight[s:s + chunk].to(dev, torch.float32)
+        w = weight[s : s + chunk].to(dev, torch.float32)
         n = w.norm(dim=1)
-        a = assignments[s:s + chunk]
+        a = assignments[s : s + chunk]
         sums.index_add_(0, a, w / n.clamp_min(1e-12)[:, None])
         norm_sum.index_add_(0, a, n)
     counts = torch.bincount(assignments, minlength=num_clusters).clamp_min(1).to(torch.float32)
@@ -197,10 +199,19 @@ def _pca_basis(x: torch.Tensor, dim: int, gen: torch.Generator, sample: int = 32
     return vecs[:, -dim:].flip(1).to(torch.float32).contiguous()
 
 
-def balanced_kmeans(weight: torch.Tensor, cluster_size: int = 16, *, iterations: int = 20, seed: int = 0,
-                    device: str | torch.device | None = None, pca_dim: int | None = 256,
-                    refine_iterations: int = 1, candidates: int = 8, chunk: int = 8192,
-                    progress: bool = True) -> ClusteringResult:
+def balanced_kmeans(
+    weight: torch.Tensor,
+    cluster_size: int = 16,
+    *,
+    iterations: int = 20,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    pca_dim: int | None = 256,
+    refine_iterations: int = 1,
+    candidates: int = 8,
+    chunk: int = 8192,
+    progress: bool = True,
+) -> ClusteringResult:
     """Cluster the rows of ``weight`` ([V, H]) into ``ceil(V / cluster_size)`` balanced clusters.
 
     ``device``: ``None``/"auto" picks CUDA when available, else CPU.  ``pca_dim``: run the main
@@ -253,5 +264,6 @@ def balanced_kmeans(weight: torch.Tensor, cluster_size: int = 16, *, iterations:
     bar.close()
     del x
     centroids = score_centroids(weight, assign, c)
-    return ClusteringResult(assignments=assign.cpu(), centroids=centroids.cpu(), num_clusters=c,
-                            cluster_size=cluster_size)
+    return ClusteringResult(
+        assignments=assign.cpu(), centroids=centroids.cpu(), num_clusters=c, cluster_size=cluster_size
+    )

@@ -37,7 +37,9 @@ def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashH
     fallback_probes = default_n_probes(num_clusters) if num_clusters else 1
     n_probes = env.MY_PKG_FLASHHEAD_N_PROBES
     if n_probes is None:
-        n_probes = int(configured_probes) if isinstance(configured_probes, int) and configured_probes > 0 else fallback_probes
+        n_probes = (
+            int(configured_probes) if isinstance(configured_probes, int) and configured_probes > 0 else fallback_probes
+        )
     if num_clusters is not None and n_probes > num_clusters:
         logger.warning("my_pkg: n_probes=%d exceeds %d clusters; using %d", n_probes, num_clusters, num_clusters)
         n_probes = num_clusters
@@ -59,4 +61,3 @@ def _sampled_probes_from_env(num_clusters: int | None) -> int | None:
         logger.warning("my_pkg: sampled_n_probes=%d exceeds %d clusters; using %d", value, num_clusters, num_clusters)
         value = num_clusters
     return value
-

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from e2e_support import (
     ADMIN_TOKEN,
     API_KEY,
@@ -31,8 +30,9 @@ from e2e_support import (
     READ_TOKEN,
     RPC_TIMEOUT,
 )
-from my_pkg.devtools.server import VllmServer
-from my_pkg.devtools.tiny_model import build_tiny_llama, build_tiny_lora
+
+from tests.support.server import VllmServer
+from tests.support.tiny_model import build_tiny_llama, build_tiny_lora
 
 
 def _server(model: Path, logs: Path, name: str, env: dict[str, str | None], args: list[str] = ()) -> VllmServer:
@@ -64,9 +64,22 @@ def flashhead_model(base_model: Path, e2e_dir: Path) -> Path:
     """The base model converted by `python -m my_pkg flashhead build --output`."""
     out = e2e_dir / "tiny-llama-flashhead"
     subprocess.run(
-        [sys.executable, "-m", "my_pkg", "flashhead", "build", str(base_model),
-         "--output", str(out), "--cluster-size", str(CLUSTER_SIZE),
-         "--n-probes", str(DEFAULT_PROBES), "--seed", "0"],
+        [
+            sys.executable,
+            "-m",
+            "my_pkg",
+            "flashhead",
+            "build",
+            str(base_model),
+            "--output",
+            str(out),
+            "--cluster-size",
+            str(CLUSTER_SIZE),
+            "--n-probes",
+            str(DEFAULT_PROBES),
+            "--seed",
+            "0",
+        ],
         check=True,
     )
     return out
@@ -82,10 +95,18 @@ def logs_dir(e2e_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def flashhead_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """Both halves allowlisted, `--api-key` and a read token (read role), an admin token; FlashHead model in float32."""
-    with _server(flashhead_model, logs_dir, "flashhead",
-                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
-                  "MY_PKG_READ_TOKEN": READ_TOKEN},
-                 ["--api-key", API_KEY]) as server:
+    with _server(
+        flashhead_model,
+        logs_dir,
+        "flashhead",
+        {
+            "VLLM_PLUGINS": BOTH_HALVES,
+            "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
+            "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
+            "MY_PKG_READ_TOKEN": READ_TOKEN,
+        },
+        ["--api-key", API_KEY],
+    ) as server:
         yield server
 
 
@@ -107,9 +128,15 @@ def endpoint_only_server(base_model: Path, logs_dir: Path) -> Iterator[VllmServe
 def tp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """Tensor parallel 2 on CPU (two worker processes), both halves, token via MY_PKG_ADMIN_TOKEN."""
     with _server(
-        flashhead_model, logs_dir, "tp2",
-        {"VLLM_PLUGINS": BOTH_HALVES, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "MY_PKG_ADMIN_TOKEN": "tp2-token",
-         "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
+        flashhead_model,
+        logs_dir,
+        "tp2",
+        {
+            "VLLM_PLUGINS": BOTH_HALVES,
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+            "MY_PKG_ADMIN_TOKEN": "tp2-token",
+            "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
+        },
         ["--tensor-parallel-size", "2"],
     ) as server:
         yield server
@@ -122,8 +149,13 @@ def lora_adapter(base_model: Path, e2e_dir: Path) -> Path:
 
 def _lora_server(model: Path, adapter: Path, logs: Path, name: str) -> VllmServer:
     """`--enable-lora` with the adapter served as LORA_NAME, both halves loaded."""
-    return _server(model, logs, name, {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
-                   ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={adapter}"])
+    return _server(
+        model,
+        logs,
+        name,
+        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
+        ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={adapter}"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -142,27 +174,46 @@ def lora_flashhead_server(flashhead_model: Path, lora_adapter: Path, logs_dir: P
 @pytest.fixture(scope="module")
 def ngram_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """The FlashHead model with n-gram speculative decoding (`NGRAM_SPEC`), both halves."""
-    with _server(flashhead_model, logs_dir, "ngram",
-                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
-                 ["--speculative-config", json.dumps(NGRAM_SPEC)]) as server:
+    with _server(
+        flashhead_model,
+        logs_dir,
+        "ngram",
+        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
+        ["--speculative-config", json.dumps(NGRAM_SPEC)],
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def features_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """FlashHead with prefix caching and a small chunked-prefill budget; killed by its last test."""
-    with _server(flashhead_model, logs_dir, "features",
-                 {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
-                 ["--enable-prefix-caching", "--enable-chunked-prefill",
-                  "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]) as server:
+    with _server(
+        flashhead_model,
+        logs_dir,
+        "features",
+        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
+        [
+            "--enable-prefix-caching",
+            "--enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            "32",
+            "--max-num-seqs",
+            "8",
+        ],
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def pooling_server(base_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """The model served as an embedding model, with both halves loaded."""
-    with _server(base_model, logs_dir, "pooling", {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
-                 ["--runner", "pooling", "--convert", "embed"]) as server:
+    with _server(
+        base_model,
+        logs_dir,
+        "pooling",
+        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
+        ["--runner", "pooling", "--convert", "embed"],
+    ) as server:
         yield server
 
 
@@ -199,16 +250,23 @@ def other_plugin_path(e2e_dir: Path) -> Path:
 def other_plugin_server(flashhead_model: Path, other_plugin_path: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """The FlashHead model with both halves and another plugin that owns LogitsProcessor."""
     pythonpath = os.pathsep.join(filter(None, [str(other_plugin_path), os.environ.get("PYTHONPATH")]))
-    with _server(flashhead_model, logs_dir, "other-plugin",
-                 {"VLLM_PLUGINS": f"other_logits,{BOTH_HALVES}", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
-                  "PYTHONPATH": pythonpath}) as server:
+    with _server(
+        flashhead_model,
+        logs_dir,
+        "other-plugin",
+        {"VLLM_PLUGINS": f"other_logits,{BOTH_HALVES}", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONPATH": pythonpath},
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def dp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
     """Data parallel 2 on CPU: two engine cores (one worker each) behind one API server."""
-    with _server(flashhead_model, logs_dir, "dp2",
-                 {"VLLM_PLUGINS": BOTH_HALVES, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
-                 ["--data-parallel-size", "2"]) as server:
+    with _server(
+        flashhead_model,
+        logs_dir,
+        "dp2",
+        {"VLLM_PLUGINS": BOTH_HALVES, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
+        ["--data-parallel-size", "2"],
+    ) as server:
         yield server

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from my_pkg.devtools.server import VllmServer
-from my_pkg.devtools.tiny_model import TinyLlamaSpec
+from tests.support.server import VllmServer
+from tests.support.tiny_model import TinyLlamaSpec
 
 API_KEY = "e2e-api-key"
 ADMIN_TOKEN = "e2e-admin-token"

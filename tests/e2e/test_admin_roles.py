@@ -58,8 +58,9 @@ def test_admin_change_is_audited_with_before_and_after(flashhead_server):
         current = http.get(FLASHHEAD, headers=auth(ADMIN_TOKEN)).json()["workers"][0]["n_probes"]
         target = current + 1
         try:
-            response = http.put(FLASHHEAD, json={"n_probes": target},
-                                headers={**auth(ADMIN_TOKEN), "X-Request-Id": "e2e-admin-change"})
+            response = http.put(
+                FLASHHEAD, json={"n_probes": target}, headers={**auth(ADMIN_TOKEN), "X-Request-Id": "e2e-admin-change"}
+            )
             assert response.status_code == 200, response.text
             assert response.headers["X-Request-Id"] == "e2e-admin-change"
             entry = _audit_entry(http, "e2e-admin-change")
@@ -75,9 +76,11 @@ def test_admin_change_is_audited_with_before_and_after(flashhead_server):
 
 def test_plugin_series_appear_on_vllms_own_metrics(flashhead_server):
     with client(flashhead_server) as http:
-        completion = http.post("/v1/completions", headers=auth(),
-                               json={"model": flashhead_server.model, "prompt": "hello world", "max_tokens": 4,
-                                     "temperature": 0})
+        completion = http.post(
+            "/v1/completions",
+            headers=auth(),
+            json={"model": flashhead_server.model, "prompt": "hello world", "max_tokens": 4, "temperature": 0},
+        )
         assert completion.status_code == 200, completion.text
         rows = http.get(FLASHHEAD, headers=auth()).json()["workers"][0]["counters"]["rows_flashhead"]
         assert rows > 0
@@ -95,8 +98,7 @@ def test_a_large_body_is_413_and_an_unauthenticated_one_401(flashhead_server):
     with client(flashhead_server) as http:
         big = b'{"n_probes": 3' + b" " * 8192 + b"}"
         assert http.put(FLASHHEAD, content=big, headers={"Content-Type": "application/json"}).status_code == 401
-        too_large = http.put(FLASHHEAD, content=big,
-                             headers={**auth(ADMIN_TOKEN), "Content-Type": "application/json"})
+        too_large = http.put(FLASHHEAD, content=big, headers={**auth(ADMIN_TOKEN), "Content-Type": "application/json"})
         assert too_large.status_code == 413, too_large.text
         assert too_large.json()["error"]["type"] == "request_too_large"
 

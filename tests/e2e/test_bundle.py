@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from e2e_support import API_KEY, auth, client
 
 import my_pkg
-from e2e_support import API_KEY, auth, client
 
 pytestmark = pytest.mark.e2e
 
@@ -84,8 +84,12 @@ def test_api_key_protects_plugin_routes(flashhead_server):
         assert refused.status_code == 403 and refused.json()["error"]["required_role"] == "admin"
         assert http.get("/plugins/my_pkg/flashhead", headers=auth()).json()["workers"][0]["enabled"] is True
         # Path variants never reach a handler without the token.
-        for variant in ("/plugins/my_pkg/workers/", "/PLUGINS/my_pkg/workers", "/plugins/my_pkg/%77orkers",
-                        "/plugins/my_pkg//workers"):
+        for variant in (
+            "/plugins/my_pkg/workers/",
+            "/PLUGINS/my_pkg/workers",
+            "/plugins/my_pkg/%77orkers",
+            "/plugins/my_pkg//workers",
+        ):
             response = http.get(variant)
             assert response.status_code in (401, 404, 307), (variant, response.status_code)
             assert "hostname" not in response.text

@@ -29,8 +29,7 @@ def test_every_engine_is_listed_and_updated(dp2_server):
         assert [(s["dp_rank"], s["n_probes"]) for s in after] == [(0, target), (1, target)]
 
         def complete(i: int) -> dict:
-            body = {"model": dp2_server.model, "prompt": f"water food and fire {i}", "max_tokens": 8,
-                    "temperature": 0}
+            body = {"model": dp2_server.model, "prompt": f"water food and fire {i}", "max_tokens": 8, "temperature": 0}
             reply = http.post("/v1/completions", json=body)
             assert reply.status_code == 200, reply.text
             return reply.json()

@@ -16,8 +16,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-
-from e2e_support import ADMIN_TOKEN, API_KEY, LORA_NAME, RPC_TIMEOUT, auth, client
+from e2e_support import ADMIN_TOKEN, LORA_NAME, RPC_TIMEOUT, auth, client
 
 pytestmark = pytest.mark.e2e
 
@@ -93,8 +92,9 @@ def test_worker_stalled_during_reads_then_resumed(flashhead_server):
         pid = _worker_pids(http, auth())[0]
         with _stalled(pid):
             with ThreadPoolExecutor(3) as pool:  # identical reads share one engine-side call
-                replies = list(pool.map(lambda _: _timed(lambda: http.get("/plugins/my_pkg/workers", headers=auth())),
-                                        range(3)))
+                replies = list(
+                    pool.map(lambda _: _timed(lambda: http.get("/plugins/my_pkg/workers", headers=auth())), range(3))
+                )
             replies.append(_timed(lambda: http.get(FLASHHEAD, headers=auth())))
             time.sleep(2.0)
         for response, elapsed in replies:
@@ -119,12 +119,14 @@ def test_worker_stalled_during_an_update_applies_it_after_resuming(flashhead_ser
                 assert busy.status_code == 409 and busy.json()["error"]["type"] == "update_in_progress"
                 time.sleep(STALL_S - elapsed)
             applied = _eventually(
-                lambda: http.get(FLASHHEAD, headers=auth()).json()["workers"][0]["n_probes"] == target)
+                lambda: http.get(FLASHHEAD, headers=auth()).json()["workers"][0]["n_probes"] == target
+            )
             assert applied, "the update that timed out was not applied after the worker resumed"
             _assert_healthy(http, flashhead_server.model, auth(), auth())
         finally:
-            restore = _eventually(lambda: http.put(
-                FLASHHEAD, json={"n_probes": before["n_probes"]}, headers=admin).status_code == 200)
+            restore = _eventually(
+                lambda: http.put(FLASHHEAD, json={"n_probes": before["n_probes"]}, headers=admin).status_code == 200
+            )
             assert restore
 
 
@@ -144,8 +146,12 @@ def test_one_rank_stalled_at_tp2_then_resumed_ranks_agree(tp2_server):
         assert update.status_code == 504, update.text
         _assert_healthy(http, tp2_server.model, admin, admin, num_workers=2)
         # The pending update ends (applied by both ranks) before another is accepted.
-        settled = _eventually(lambda: http.put(FLASHHEAD, json={"enabled": True}, headers=admin)
-                              .json().get("error", {}).get("type") != "update_in_progress")
+        settled = _eventually(
+            lambda: (
+                http.put(FLASHHEAD, json={"enabled": True}, headers=admin).json().get("error", {}).get("type")
+                != "update_in_progress"
+            )
+        )
         assert settled
         statuses = http.get(FLASHHEAD, headers=admin).json()["workers"]
         settings = [{k: s[k] for k in ("available", "enabled", "n_probes", "dense_batch_threshold")} for s in statuses]
@@ -175,10 +181,12 @@ def test_lora_on_a_flashhead_model_gives_the_plain_lora_servers_tokens(lora_plai
     answers = []
     for server in (lora_plain_server, lora_flashhead_server):
         with client(server) as http:
-            answers.append([
-                _complete(http, model, {}, max_tokens=24, return_token_ids=True)["choices"][0]["token_ids"]
-                for model in (server.model, LORA_NAME)
-            ])
+            answers.append(
+                [
+                    _complete(http, model, {}, max_tokens=24, return_token_ids=True)["choices"][0]["token_ids"]
+                    for model in (server.model, LORA_NAME)
+                ]
+            )
     assert answers[0] == answers[1]
 
 
@@ -201,9 +209,17 @@ def test_prefix_caching_chunked_prefill_n_and_streaming_with_flashhead(features_
         assert len(several["choices"]) == 3
         mixed = _complete(http, model, {}, n=2, temperature=0.8, logprobs=2, max_tokens=6)
         assert all(c["logprobs"]["top_logprobs"] for c in mixed["choices"])
-        with http.stream("POST", "/v1/completions", json={
-            "model": model, "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "stream": True,
-        }) as stream:
+        with http.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": PROMPT,
+                "max_tokens": 10,
+                "temperature": 0,
+                "stream": True,
+            },
+        ) as stream:
             assert stream.status_code == 200
             chunks = [line for line in stream.iter_lines() if line.startswith("data: ")]
         assert chunks[-1] == "data: [DONE]"
@@ -229,7 +245,7 @@ def test_killed_worker_admin_routes_answer_503_quickly(features_server):
         while time.monotonic() < deadline:
             for path in ("/plugins/my_pkg/health", "/plugins/my_pkg/workers", FLASHHEAD):
                 try:
-                    response, elapsed = _timed(lambda: http.get(path, headers=admin, timeout=WAIT + 5))
+                    response, elapsed = _timed(lambda path=path: http.get(path, headers=admin, timeout=WAIT + 5))
                 except httpx.TransportError:
                     seen.append(0)  # the API server itself went away: nothing left to hang
                     continue

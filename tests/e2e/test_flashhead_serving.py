@@ -294,7 +294,7 @@ def test_metrics_expose_the_counters_by_rank(fh, flashhead_server):
 
 
 def test_flashhead_model_without_the_plugin_is_refused(flashhead_model, logs_dir):
-    from my_pkg.devtools.server import VllmServer
+    from tests.support.server import VllmServer
 
     server = VllmServer(model=str(flashhead_model), env={"VLLM_PLUGINS": ""}, log_path=logs_dir / "no-plugin.log")
     server.start()

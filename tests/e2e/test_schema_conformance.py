@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from e2e_support import ADMIN_TOKEN, auth, client
 
 pytestmark = pytest.mark.e2e
@@ -24,15 +23,31 @@ SCHEMATHESIS = [sys.executable, "-m", "schemathesis.cli"]
 
 def _run_schemathesis(base_url: str, token: str, report: Path, max_examples: int) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*SCHEMATHESIS, "run", f"{base_url}/openapi.json",
-         "--include-path-regex", "^/plugins/my_pkg/",
-         "--checks", "all",
-         "--header", f"Authorization: Bearer {token}",
-         "--max-examples", str(max_examples),
-         "--seed", "1",
-         "--workers", "1",
-         "--report", "junit", "--report-junit-path", str(report)],
-        capture_output=True, text=True, timeout=900, cwd=report.parent,  # its cache stays out of the checkout
+        [
+            *SCHEMATHESIS,
+            "run",
+            f"{base_url}/openapi.json",
+            "--include-path-regex",
+            "^/plugins/my_pkg/",
+            "--checks",
+            "all",
+            "--header",
+            f"Authorization: Bearer {token}",
+            "--max-examples",
+            str(max_examples),
+            "--seed",
+            "1",
+            "--workers",
+            "1",
+            "--report",
+            "junit",
+            "--report-junit-path",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=report.parent,  # its cache stays out of the checkout
     )
 
 
@@ -55,13 +70,20 @@ def test_schemathesis_all_checks_pass(flashhead_server, settings_restored, tmp_p
     assert result.returncode == 0, summary
     # The run must really have exercised the routes: every plugin operation appears in the report.
     text = report.read_text()
-    for operation in ("GET /plugins/my_pkg/health", "GET /plugins/my_pkg/flashhead",
-                      "PUT /plugins/my_pkg/flashhead", "GET /plugins/my_pkg/audit"):
+    for operation in (
+        "GET /plugins/my_pkg/health",
+        "GET /plugins/my_pkg/flashhead",
+        "PUT /plugins/my_pkg/flashhead",
+        "GET /plugins/my_pkg/audit",
+    ):
         assert operation in text, f"{operation} not tested:\n{summary}"
 
     with client(flashhead_server) as http:
-        response = http.post("/v1/completions", headers=auth(),
-                             json={"model": flashhead_server.model, "prompt": "the sun", "max_tokens": 3})
+        response = http.post(
+            "/v1/completions",
+            headers=auth(),
+            json={"model": flashhead_server.model, "prompt": "the sun", "max_tokens": 3},
+        )
         assert response.status_code == 200, response.text
         audit = http.get("/plugins/my_pkg/audit", headers=auth(ADMIN_TOKEN))
         assert audit.status_code == 200, audit.text

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from e2e_support import ADMIN_TOKEN, BOTH_HALVES, auth
 
-from my_pkg.devtools.server import VllmServer
+from tests.support.server import VllmServer
 
 pytestmark = pytest.mark.e2e
 
@@ -32,11 +32,23 @@ ENGINES = {"dp2": [0, 1], "api2": [0]}
 
 @pytest.fixture(scope="module", params=sorted(TOPOLOGIES, reverse=True))
 def dp2_serve(request, flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    env = {"VLLM_PLUGINS": BOTH_HALVES, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
-           "VLLM_API_KEY": None, "MY_PKG_DISABLE": None, "MY_PKG_FLASHHEAD": None, "PROMETHEUS_MULTIPROC_DIR": None,
-           "MY_PKG_STATUS_MAX_AGE": None}  # the default max age: only the update marker makes reads fresh
-    server = VllmServer(model=str(flashhead_model), launcher="serve", env=env,
-                        log_path=logs_dir / f"{request.param}-serve.log", args=TOPOLOGIES[request.param])
+    env = {
+        "VLLM_PLUGINS": BOTH_HALVES,
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
+        "VLLM_API_KEY": None,
+        "MY_PKG_DISABLE": None,
+        "MY_PKG_FLASHHEAD": None,
+        "PROMETHEUS_MULTIPROC_DIR": None,
+        "MY_PKG_STATUS_MAX_AGE": None,
+    }  # the default max age: only the update marker makes reads fresh
+    server = VllmServer(
+        model=str(flashhead_model),
+        launcher="serve",
+        env=env,
+        log_path=logs_dir / f"{request.param}-serve.log",
+        args=TOPOLOGIES[request.param],
+    )
     server.engines = ENGINES[request.param]
     with server:
         yield server
@@ -76,7 +88,8 @@ def test_concurrent_puts_have_one_winner_per_version_and_end_with_equal_engines(
         now = fresh(dp2_serve, "GET", FLASHHEAD).json()
         assert now["settings_version"] == last["settings_version"]
         assert {(w["dp_rank"], w["n_probes"]) for w in now["workers"]} == {
-            (dp_rank, last["applied"]["n_probes"]) for dp_rank in dp2_serve.engines}
+            (dp_rank, last["applied"]["n_probes"]) for dp_rank in dp2_serve.engines
+        }
     text = httpx.get(f"{dp2_serve.url}/metrics", timeout=60.0).text
     assert SERIES in text  # no gap after the PUTs
 

@@ -10,7 +10,7 @@ import re
 import pytest
 from e2e_support import ADMIN_TOKEN, auth, client
 
-from my_pkg.devtools.server import VllmServer
+from tests.support.server import VllmServer
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ NAME = re.compile(r"\bMY_PKG_[A-Z0-9_]*[A-Z0-9]\b")
 
 def test_the_package_reads_only_variables_of_the_table():
     used = {name for path in (ROOT / "my_pkg").rglob("*.py") for name in NAME.findall(path.read_text())}
-    assert used == set(env.VARIABLES), (used ^ set(env.VARIABLES))
+    assert used == set(env.VARIABLES), used ^ set(env.VARIABLES)
 
 
 def test_only_the_table_reads_the_environment_for_my_pkg_variables():

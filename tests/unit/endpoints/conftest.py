@@ -53,16 +53,24 @@ class FakeController:
     def status(self) -> contract.FlashHeadState:
         fh = self.fh
         return contract.FlashHeadState(
-            available=fh["available"], active=fh["available"] and fh["enabled"],
+            available=fh["available"],
+            active=fh["available"] and fh["enabled"],
             reason=None if fh["available"] else "model has no FlashHead assets",
             reason_code=None if fh["available"] else "no_assets",
             enabled=fh["enabled"],
             num_clusters=fh["num_clusters"] if fh["available"] else None,
-            cluster_size=64, vocab_size=32000, n_probes=fh["n_probes"],
-            dense_batch_threshold=fh["dense_batch_threshold"], probe_sampling=True,
-            sampled_n_probes=None, sampled_rank=None,
-            pinned_token_ids=[2], fidelity_every=100,
-            backend="torch", extra_memory_bytes=1234, counters=fh["counters"],
+            cluster_size=64,
+            vocab_size=32000,
+            n_probes=fh["n_probes"],
+            dense_batch_threshold=fh["dense_batch_threshold"],
+            probe_sampling=True,
+            sampled_n_probes=None,
+            sampled_rank=None,
+            pinned_token_ids=[2],
+            fidelity_every=100,
+            backend="torch",
+            extra_memory_bytes=1234,
+            counters=fh["counters"],
         )
 
     def validate(self, update: contract.FlashHeadUpdate) -> list[str]:
@@ -114,9 +122,12 @@ class FakeEngineClient:
 
     def _worker(self, rank: int) -> SimpleNamespace:
         return SimpleNamespace(
-            rank=rank, local_rank=rank, device=f"cuda:{rank}",
-            model_config=SimpleNamespace(model="/models/tiny", served_model_name="tiny-model", dtype="bfloat16",
-                                         max_model_len=4096),
+            rank=rank,
+            local_rank=rank,
+            device=f"cuda:{rank}",
+            model_config=SimpleNamespace(
+                model="/models/tiny", served_model_name="tiny-model", dtype="bfloat16", max_model_len=4096
+            ),
             cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=1000 + rank),
             parallel_config=SimpleNamespace(world_size=self.world_size),
             scheduler_config=SimpleNamespace(max_num_seqs=256),
@@ -134,9 +145,7 @@ class FakeEngineClient:
         args: tuple = (),
         kwargs: dict | None = None,
     ) -> list[Any]:
-        self.calls.append(
-            {"method": method, "timeout": timeout, "args": args, "kwargs": kwargs}
-        )
+        self.calls.append({"method": method, "timeout": timeout, "args": args, "kwargs": kwargs})
         delay = self.delays.get(method, self.delay)
         if delay:
             await asyncio.sleep(delay)
@@ -163,11 +172,16 @@ class FakeEngineClient:
         if method == contract.PING:
             reply["version"] = self.version[rank]
         if method == contract.WORKER_INFO:
-            reply.update(hostname="node-a", plugin_version=self.version[rank], torch_version="2.13.0",
-                         vllm_version="0.32.0")
+            reply.update(
+                hostname="node-a", plugin_version=self.version[rank], torch_version="2.13.0", vllm_version="0.32.0"
+            )
         if method == contract.STATUS:
-            reply["memory"] = {"device_allocated_bytes": 1 << 30, "device_reserved_bytes": 2 << 30,
-                               "process_rss_bytes": 3 << 30, "kv_cache_bytes": None}
+            reply["memory"] = {
+                "device_allocated_bytes": 1 << 30,
+                "device_reserved_bytes": 2 << 30,
+                "process_rss_bytes": 3 << 30,
+                "kv_cache_bytes": None,
+            }
         return reply
 
 

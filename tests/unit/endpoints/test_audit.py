@@ -60,7 +60,8 @@ async def test_the_fingerprint_is_an_hmac_not_a_plain_hash():
 
 
 async def test_a_flood_of_refusals_keeps_the_mutations_and_collapses_into_one_entry(
-        monkeypatch, engine, make_app, client_for):
+    monkeypatch, engine, make_app, client_for
+):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("MY_PKG_AUDIT_SIZE", "4")
     app = await make_app(engine, api_key=["inference-key"])

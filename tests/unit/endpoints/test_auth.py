@@ -26,9 +26,7 @@ PUT_BODY = {"n_probes": 8}
 
 # ------------------------------------------------------------ token sources
 @pytest.mark.parametrize("source", ["admin_env", "api_key_arg", "vllm_env"])
-async def test_token_sources_accept_matching_bearer(
-    source, monkeypatch, engine, make_app, client_for, assert_error
-):
+async def test_token_sources_accept_matching_bearer(source, monkeypatch, engine, make_app, client_for, assert_error):
     api_key = None
     if source == "admin_env":
         monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "s3cret")
@@ -77,8 +75,7 @@ async def test_read_token_reads_and_only_the_admin_token_mutates(
         async with client_for(app, token=token) as reader:
             for path in GET_PATHS:
                 assert (await reader.get(path)).status_code == 200, (token, path)
-            err = assert_error(await reader.put("/plugins/my_pkg/flashhead", json=PUT_BODY), 403,
-                               "permission_error")
+            err = assert_error(await reader.put("/plugins/my_pkg/flashhead", json=PUT_BODY), 403, "permission_error")
             assert err["required_role"] == "admin" and "admin role" in err["message"]
             # An invalid body from a reader is refused for its role first, not validated.
             assert_error(await reader.put("/plugins/my_pkg/flashhead", json={"n_probes": 0}), 403)
@@ -122,9 +119,7 @@ def test_a_long_admin_token_of_its_own_draws_no_warning(monkeypatch):
     assert any("equals MY_PKG_READ_TOKEN" in w for w in resolve_tokens(None).warnings)
 
 
-async def test_admin_token_and_api_keys_are_all_accepted(
-    monkeypatch, engine, make_app, client_for
-):
+async def test_admin_token_and_api_keys_are_all_accepted(monkeypatch, engine, make_app, client_for):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "admin")
     app = await make_app(engine, api_key=["k1", "k2"])
     for token in ("admin", "k1", "k2"):
@@ -148,9 +143,7 @@ async def test_api_key_arg_takes_precedence_over_vllm_api_key_env(
     "header",
     ["Basic s3cret", "s3cret", "Bearer", "Bearer ", "Token s3cret", "Bearers3cret"],
 )
-async def test_malformed_authorization_header_is_401(
-    header, monkeypatch, engine, make_app, client_for, assert_error
-):
+async def test_malformed_authorization_header_is_401(header, monkeypatch, engine, make_app, client_for, assert_error):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "s3cret")
     app = await make_app(engine)
     async with client_for(app) as c:
@@ -168,8 +161,9 @@ async def test_bearer_scheme_is_case_insensitive(monkeypatch, engine, make_app, 
 
 
 # ----------------------------------------------------------- no token at all
-async def test_no_token_denies_everything_but_health_with_the_fix(engine, make_app, client_for, assert_error,
-                                                                  plugin_log):
+async def test_no_token_denies_everything_but_health_with_the_fix(
+    engine, make_app, client_for, assert_error, plugin_log
+):
     app = await make_app(engine)
     assert any("No admin token configured" in m for m in plugin_log.messages(logging.WARNING))
     async with client_for(app) as c:
@@ -196,9 +190,7 @@ async def test_no_token_get_allowed_with_the_opt_in_put_forbidden(
             assert (await c.get(path)).status_code == 200, path
         assert_error(await c.get(f"{ROUTE_PREFIX}/audit"), 403)
         calls_before = list(engine.methods)
-        err = assert_error(
-            await c.put("/plugins/my_pkg/flashhead", json=PUT_BODY), 403, "permission_error"
-        )
+        err = assert_error(await c.put("/plugins/my_pkg/flashhead", json=PUT_BODY), 403, "permission_error")
         assert "MY_PKG_ADMIN_TOKEN" in err["hint"] and err["required_role"] == "admin"
         # Invalid body too: 403 comes first, nothing reaches the workers.
         assert_error(await c.put("/plugins/my_pkg/flashhead", json={}), 403)
@@ -222,9 +214,7 @@ async def test_no_warning_when_token_configured(monkeypatch, engine, make_app, p
 
 
 # ------------------------------------------------ request-time resolution
-async def test_tokens_come_from_state_set_by_init_state(
-    monkeypatch, engine, make_app, client_for, assert_error
-):
+async def test_tokens_come_from_state_set_by_init_state(monkeypatch, engine, make_app, client_for, assert_error):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "at-start")
     app = await make_app(engine)
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "changed-later")
@@ -234,9 +224,7 @@ async def test_tokens_come_from_state_set_by_init_state(
         assert_error(await c.get("/plugins/my_pkg/health"), 401)
 
 
-async def test_falls_back_to_env_when_init_state_has_not_run(
-    monkeypatch, engine, make_app, client_for, assert_error
-):
+async def test_falls_back_to_env_when_init_state_has_not_run(monkeypatch, engine, make_app, client_for, assert_error):
     app = await make_app(engine, init=False)
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "env-token")
     async with client_for(app) as c:
@@ -246,9 +234,7 @@ async def test_falls_back_to_env_when_init_state_has_not_run(
         assert_error(await c.get("/plugins/my_pkg/health"), 503, "engine_unavailable")
 
 
-async def test_falls_back_to_app_args_api_key_when_init_state_has_not_run(
-    engine, make_app, client_for, assert_error
-):
+async def test_falls_back_to_app_args_api_key_when_init_state_has_not_run(engine, make_app, client_for, assert_error):
     app = await make_app(engine, api_key=["arg-key"], init=False)
     async with client_for(app) as c:
         assert_error(await c.get("/plugins/my_pkg/health"), 401)
@@ -335,8 +321,7 @@ async def test_path_variants_never_reach_a_handler_unauthenticated(
         assert r.status_code in (307, 401, 404, 405), (r.status_code, r.text)
         if r.status_code == 307:
             # following the redirect meets the check too
-            r2 = await c.request(method, r.headers["location"],
-                                 json=PUT_BODY if method == "PUT" else None)
+            r2 = await c.request(method, r.headers["location"], json=PUT_BODY if method == "PUT" else None)
             assert r2.status_code in (401, 404, 405)
         assert r.status_code not in range(200, 300)
     assert engine.calls == []
@@ -353,15 +338,19 @@ async def test_root_path_authenticated_works(path, monkeypatch, engine, make_app
 
 @pytest.mark.parametrize(
     "method,path",
-    [("PUT", "/plugins/my_pkg/flashhead/"), ("PUT", "/plugins/my_pkg/%66lashhead"),
-     ("PUT", "/plugins/my_pkg/Flashhead"), ("POST", "/plugins/my_pkg/flashhead"),
-     ("HEAD", "/plugins/my_pkg/flashhead"), ("OPTIONS", "/plugins/my_pkg/flashhead")],
+    [
+        ("PUT", "/plugins/my_pkg/flashhead/"),
+        ("PUT", "/plugins/my_pkg/%66lashhead"),
+        ("PUT", "/plugins/my_pkg/Flashhead"),
+        ("POST", "/plugins/my_pkg/flashhead"),
+        ("HEAD", "/plugins/my_pkg/flashhead"),
+        ("OPTIONS", "/plugins/my_pkg/flashhead"),
+    ],
 )
 async def test_no_token_mutation_variants_never_apply(method, path, engine, make_app, client_for):
     app = await make_app(engine)
     async with client_for(app) as c:
-        r = await c.request(method, path, json=PUT_BODY if method in ("PUT", "POST") else None,
-                            follow_redirects=True)
+        r = await c.request(method, path, json=PUT_BODY if method in ("PUT", "POST") else None, follow_redirects=True)
         assert r.status_code in (403, 404, 405), r.text
     assert "my_pkg_flashhead_validate" not in engine.methods
     assert "my_pkg_flashhead_apply" not in engine.methods
@@ -372,16 +361,14 @@ async def test_cors_preflight_does_not_reach_handler(monkeypatch, engine, make_a
 
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "s3cret")
     app = await make_app(engine)
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
-                       allow_headers=["*"])
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     async with client_for(app) as c:
         r = await c.options(
             "/plugins/my_pkg/flashhead",
             headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "PUT"},
         )
         assert r.status_code in (200, 400, 405)
-        r = await c.put("/plugins/my_pkg/flashhead", json=PUT_BODY,
-                        headers={"Origin": "http://evil.example"})
+        r = await c.put("/plugins/my_pkg/flashhead", json=PUT_BODY, headers={"Origin": "http://evil.example"})
         assert r.status_code == 401
     assert engine.calls == []
 
@@ -409,7 +396,6 @@ async def test_auth_decides_before_body_validation(
         monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", "s3cret")
     app = await make_app(engine)
     async with client_for(app) as c:
-        r = await c.put("/plugins/my_pkg/flashhead", content=content,
-                        headers={"Content-Type": "application/json"})
+        r = await c.put("/plugins/my_pkg/flashhead", content=content, headers={"Content-Type": "application/json"})
         assert_error(r, 401 if configured else 403)
     assert engine.calls == []

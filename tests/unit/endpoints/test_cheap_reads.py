@@ -44,8 +44,9 @@ async def test_concurrent_reads_share_one_status_call(client, engine):
     c, _ = await client(max_age=LONG)
     engine.delay = 0.1
     async with c:
-        replies = await asyncio.gather(*[c.get(f"/plugins/my_pkg/{route}")
-                                         for route in ("flashhead", "metrics", "flashhead", "health", "workers")])
+        replies = await asyncio.gather(
+            *[c.get(f"/plugins/my_pkg/{route}") for route in ("flashhead", "metrics", "flashhead", "health", "workers")]
+        )
     assert [r.status_code for r in replies] == [200] * 5
     assert engine.methods.count("my_pkg_status") == 1
 

@@ -19,9 +19,12 @@ class FakeDPEngineClient:
     def __init__(self, fake_engine_cls) -> None:
         self.engines = [fake_engine_cls(world_size=2), fake_engine_cls(world_size=2)]
         self.errored = False
-        self.engine_core = SimpleNamespace(core_engines=[b"\x00\x00", b"\x01\x00"], engine_ranks_managed=[0, 1],
-                                           call_utility_all_async=self._call_all,
-                                           _call_utility_async=self._call_one)
+        self.engine_core = SimpleNamespace(
+            core_engines=[b"\x00\x00", b"\x01\x00"],
+            engine_ranks_managed=[0, 1],
+            call_utility_all_async=self._call_all,
+            _call_utility_async=self._call_one,
+        )
 
     async def _one(self, dp_rank: int, method: str, args: tuple) -> list:
         return await self.engines[dp_rank].collective_rpc(method, args=args)
@@ -74,7 +77,8 @@ async def test_an_update_one_engine_rejects_lands_nowhere(dp_client, assert_erro
 
 
 async def test_hybrid_lb_labels_with_the_real_ranks_and_says_other_nodes_were_not_touched(
-        monkeypatch, fake_engine_cls, make_app, client_for):
+    monkeypatch, fake_engine_cls, make_app, client_for
+):
     """Node 2 of a hybrid/external-LB deployment: its API server manages engines 2 and 3 only."""
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
     engine = FakeDPEngineClient(fake_engine_cls)
@@ -104,5 +108,9 @@ async def test_engines_are_prepared_in_ascending_rank_before_any_commit(dp_clien
         fake.collective_rpc = recording
     assert (await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 7})).status_code == 200
     updates = [o for o in order if o[0] != "my_pkg_status"]
-    assert updates == [("my_pkg_flashhead_prepare", 0), ("my_pkg_flashhead_prepare", 1),
-                       ("my_pkg_flashhead_commit", 0), ("my_pkg_flashhead_commit", 1)]
+    assert updates == [
+        ("my_pkg_flashhead_prepare", 0),
+        ("my_pkg_flashhead_prepare", 1),
+        ("my_pkg_flashhead_commit", 0),
+        ("my_pkg_flashhead_commit", 1),
+    ]

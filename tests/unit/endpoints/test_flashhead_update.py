@@ -9,7 +9,6 @@ pytestmark = pytest.mark.anyio
 URL = "/plugins/my_pkg/flashhead"
 
 
-
 def _state(engine):
     return [(fh["enabled"], fh["n_probes"], fh["dense_batch_threshold"]) for fh in engine.fh]
 
@@ -32,9 +31,7 @@ def _state(engine):
         ("n_probes=4", None),
     ],
 )
-async def test_invalid_body_is_422_and_nothing_called(
-    body, field, app_client, engine, assert_error
-):
+async def test_invalid_body_is_422_and_nothing_called(body, field, app_client, engine, assert_error):
     before = _state(engine)
     err = assert_error(await app_client.put(URL, json=body), 422, "invalid_request_error")
     assert isinstance(err["errors"], list) and err["errors"]
@@ -113,9 +110,7 @@ async def test_the_largest_integer_reaches_the_workers(app_client, engine, asser
     assert "exceeds num_clusters" in err["errors"][0]["errors"][0]
 
 
-async def test_worker_side_rejection_on_one_rank_applies_nothing(
-    app_client, engine, assert_error
-):
+async def test_worker_side_rejection_on_one_rank_applies_nothing(app_client, engine, assert_error):
     engine.fh[1]["num_clusters"] = 6  # rank 0 accepts 8, rank 1 does not
     before = _state(engine)
     err = assert_error(await app_client.put(URL, json={"n_probes": 8}), 409, "invalid_update")
@@ -131,16 +126,16 @@ async def test_worker_side_rejection_on_one_rank_applies_nothing(
 async def test_flashhead_unavailable_is_409(app_client, engine, assert_error):
     for fh in engine.fh:
         fh["available"] = False
-    err = assert_error(await app_client.put(URL, json={"enabled": True}), 409,
-                       "flashhead_unavailable")
+    err = assert_error(await app_client.put(URL, json={"enabled": True}), 409, "flashhead_unavailable")
     assert [e["rank"] for e in err["errors"]] == [0, 1]
     assert "my_pkg_flashhead_commit" not in engine.methods
 
 
 async def test_if_match_applies_only_on_that_version(app_client, engine, assert_error):
     assert (await app_client.put(URL, json={"n_probes": 5}, headers={"If-Match": '"0"'})).status_code == 200
-    err = assert_error(await app_client.put(URL, json={"n_probes": 6}, headers={"If-Match": '"0"'}), 409,
-                       "version_conflict")
+    err = assert_error(
+        await app_client.put(URL, json={"n_probes": 6}, headers={"If-Match": '"0"'}), 409, "version_conflict"
+    )
     assert err["settings_version"] == 1
     assert _state(engine) == [(True, 5, 32), (True, 5, 32)]
     assert (await app_client.put(URL, json={"n_probes": 6}, headers={"If-Match": "1"})).status_code == 200
@@ -193,7 +188,6 @@ async def test_apply_failure_is_503_with_note(app_client, engine, assert_error):
 
 async def test_engine_half_missing_on_put(app_client, engine, assert_error):
     engine.missing.add("my_pkg_flashhead_prepare")
-    err = assert_error(await app_client.put(URL, json={"n_probes": 4}), 503,
-                       "engine_plugin_missing")
+    err = assert_error(await app_client.put(URL, json={"n_probes": 4}), 503, "engine_plugin_missing")
     assert "my_pkg_engine" in err["hint"]
     assert "my_pkg_flashhead_commit" not in engine.methods

@@ -57,8 +57,9 @@ async def test_a_streamed_body_is_cut_at_the_limit(app, client_for, assert_error
     assert body.read <= 4096 + 2 * 1024 + 64 * 1024
 
 
-async def test_the_limit_is_configurable_and_a_small_body_passes(monkeypatch, engine, make_app, client_for,
-                                                                assert_error):
+async def test_the_limit_is_configurable_and_a_small_body_passes(
+    monkeypatch, engine, make_app, client_for, assert_error
+):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", ADMIN)
     monkeypatch.setenv("MY_PKG_ADMIN_MAX_BODY_BYTES", "64")
     app = await make_app(engine)
@@ -93,6 +94,7 @@ async def test_a_bug_is_503_without_its_text_for_readers(app, client_for, monkey
 def test_a_mutating_route_must_be_declared_with_mutation():
     router = APIRouter(route_class=AdminRoute)
     with pytest.raises(TypeError, match="@mutation"):
+
         @router.post("/forgot")
         async def forgot() -> dict:
             return {}
@@ -108,8 +110,7 @@ def test_every_mutating_route_of_the_router_is_declared():
     assert routes and all(getattr(r.endpoint, "__my_pkg_mutation__", False) for r in routes)
 
 
-async def test_two_api_servers_racing_end_with_one_winner_and_equal_engines(monkeypatch, engine, make_app,
-                                                                           client_for):
+async def test_two_api_servers_racing_end_with_one_winner_and_equal_engines(monkeypatch, engine, make_app, client_for):
     """Two apps (two API-server processes) over one engine: the engine's lease picks one winner."""
     import asyncio
 

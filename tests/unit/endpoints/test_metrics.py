@@ -50,11 +50,23 @@ async def test_metrics_route(app, client_for):
     assert r.status_code == 200
     assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     assert types(r.text) == {
-        **{f"my_pkg_flashhead_{name}": "counter" for name in (
-            "steps", "rows", "fallbacks", "head_seconds", "fidelity_rows", "fidelity_agreed", "rows_verify",
-            "rows_verify_pinned")},
-        **{f"my_pkg_flashhead_{name}": "gauge" for name in (
-            "available", "enabled", "active", "n_probes", "dense_batch_threshold")},
+        **{
+            f"my_pkg_flashhead_{name}": "counter"
+            for name in (
+                "steps",
+                "rows",
+                "fallbacks",
+                "head_seconds",
+                "fidelity_rows",
+                "fidelity_agreed",
+                "rows_verify",
+                "rows_verify_pinned",
+            )
+        },
+        **{
+            f"my_pkg_flashhead_{name}": "gauge"
+            for name in ("available", "enabled", "active", "n_probes", "dense_batch_threshold")
+        },
         "my_pkg_status_snapshot_age_seconds": "gauge",
     }
     found = samples(r.text)
@@ -145,8 +157,9 @@ async def test_a_fresh_snapshot_is_not_fetched_again_by_scrapes(app, engine, reg
     assert engine.methods == ["my_pkg_status"]
 
 
-async def test_registration_is_idempotent_and_follows_the_latest_app(monkeypatch, fake_engine_cls, make_app,
-                                                                     registry, client_for):
+async def test_registration_is_idempotent_and_follows_the_latest_app(
+    monkeypatch, fake_engine_cls, make_app, registry, client_for
+):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
     apps = []
     for world_size in (1, 3):
@@ -239,9 +252,12 @@ def test_the_grafana_dashboard_queries_only_series_the_plugin_exports():
     from pathlib import Path
 
     dashboard = json.loads((Path(__file__).resolve().parents[3] / "docs/grafana/my_pkg-dashboard.json").read_text())
-    queried = {match for panel in dashboard["panels"] for target in panel["targets"]
-               for match in re.findall(r"\bmy_pkg_[a-z_]+", target["expr"])}
+    queried = {
+        match
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for match in re.findall(r"\bmy_pkg_[a-z_]+", target["expr"])
+    }
     text = render(_snapshot(n_probes=4, dense_batch_threshold=16)).decode()
-    exported = {sample.name for family in text_string_to_metric_families(text)
-                for sample in family.samples}
+    exported = {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
     assert queried and queried <= exported, queried - exported

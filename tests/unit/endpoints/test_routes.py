@@ -20,19 +20,26 @@ pytestmark = pytest.mark.anyio
 #: Every route of the router with a request that reaches the workers (derived, never listed by hand).
 ROUTES = [
     (method, route.path.replace("{section}", "scheduler"), {"n_probes": 2} if method == "PUT" else None)
-    for route in router.routes for method in sorted(route.methods - {"HEAD"})
+    for route in router.routes
+    for method in sorted(route.methods - {"HEAD"})
     if not route.path.endswith("/audit")
 ]
 TOKEN = "s3cret-admin-token-of-32-characters"  # the token of the conftest's app_client
 #: Every worker method a route reads through first (all but the commit of an update).
-READ_METHODS = (contract.PING, contract.WORKER_INFO, contract.CONFIG, contract.STATUS, contract.FLASHHEAD_STATUS,
-                contract.FLASHHEAD_VALIDATE, contract.FLASHHEAD_PREPARE)
+READ_METHODS = (
+    contract.PING,
+    contract.WORKER_INFO,
+    contract.CONFIG,
+    contract.STATUS,
+    contract.FLASHHEAD_STATUS,
+    contract.FLASHHEAD_VALIDATE,
+    contract.FLASHHEAD_PREPARE,
+)
 
 
 def test_the_route_list_covers_the_router():
     assert {path for _, path, _ in ROUTES} >= {"/plugins/my_pkg/health", "/plugins/my_pkg/flashhead"}
     assert ("PUT", "/plugins/my_pkg/flashhead", {"n_probes": 2}) in ROUTES
-
 
 
 # ------------------------------------------------------------------ shapes
@@ -55,15 +62,20 @@ async def test_workers_shape(app_client, engine):
     assert body["num_workers"] == 2
     w1 = body["workers"][1]
     assert w1["rank"] == 1 and w1["device"] == "cuda:1" and w1["hostname"] == "node-a"
-    assert w1["memory"] == {"device_allocated_bytes": 1 << 30,
-                            "device_reserved_bytes": 2 << 30,
-                            "process_rss_bytes": 3 << 30, "kv_cache_bytes": None}
+    assert w1["memory"] == {
+        "device_allocated_bytes": 1 << 30,
+        "device_reserved_bytes": 2 << 30,
+        "process_rss_bytes": 3 << 30,
+        "kv_cache_bytes": None,
+    }
     assert w1["model"] == {"name": "tiny-model", "path": "/models/tiny", "dtype": "bfloat16", "max_model_len": 4096}
     assert w1["kv_cache"] == {"block_size": 16, "num_blocks": 1001}
     assert 0 <= body["snapshot_age_s"] < 1
     # vLLM is never given a timeout: its expiry would leave a late reply behind.
-    assert engine.calls == [{"method": method, "timeout": None, "args": (), "kwargs": None}
-                            for method in ("my_pkg_status", "my_pkg_worker_info")]
+    assert engine.calls == [
+        {"method": method, "timeout": None, "args": (), "kwargs": None}
+        for method in ("my_pkg_status", "my_pkg_worker_info")
+    ]
 
 
 async def test_workers_sorted_by_rank_and_extra_fields_kept(app_client, engine):
@@ -88,9 +100,7 @@ async def test_config_sections(section, app_client, engine):
 
 @pytest.mark.parametrize("section", ["lora", "Model", "%2e%2e", "model%20", "__class__"])
 async def test_config_unknown_section_404(section, app_client, engine, assert_error):
-    err = assert_error(
-        await app_client.get(f"/plugins/my_pkg/config/{section}"), 404, "not_found_error"
-    )
+    err = assert_error(await app_client.get(f"/plugins/my_pkg/config/{section}"), 404, "not_found_error")
     assert err["valid_sections"] == ["scheduler", "model", "cache", "parallel"]
     assert engine.calls == []
 
@@ -109,9 +119,7 @@ async def test_flashhead_status_shape(app_client):
 
 # ------------------------------------------------------------- no engine
 @pytest.mark.parametrize("with_token", [True, False])
-async def test_no_engine_every_route_503(
-    with_token, monkeypatch, make_app, client_for, assert_error, plugin_log
-):
+async def test_no_engine_every_route_503(with_token, monkeypatch, make_app, client_for, assert_error, plugin_log):
     if with_token:
         monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
     app = await make_app(None)
@@ -130,16 +138,16 @@ async def test_no_engine_every_route_503(
 @pytest.mark.parametrize(
     "exc",
     [
-        Exception("Call to collective_rpc method failed: Worker failed with error "
-                  "'boom on rank 1', please check the stack trace above"),
+        Exception(
+            "Call to collective_rpc method failed: Worker failed with error "
+            "'boom on rank 1', please check the stack trace above"
+        ),
         RuntimeError("boom on rank 1"),
         ValueError("boom on rank 1"),
     ],
 )
 @pytest.mark.parametrize("method,path,body", ROUTES)
-async def test_worker_raising_is_503_with_cause(
-    exc, method, path, body, app_client, engine, assert_error
-):
+async def test_worker_raising_is_503_with_cause(exc, method, path, body, app_client, engine, assert_error):
     for name in READ_METHODS:
         engine.errors[name] = exc
     err = assert_error(await app_client.request(method, path, json=body), 503, "worker_error")
@@ -160,9 +168,7 @@ async def test_engine_half_missing_is_503_naming_the_fix(
             engine.missing.add(name)  # vLLM's wrapped text, plain Exception
         else:
             engine.errors[name] = NotImplementedError(f"Method {name!r} is not implemented.")
-    err = assert_error(
-        await app_client.request(method, path, json=body), 503, "engine_plugin_missing"
-    )
+    err = assert_error(await app_client.request(method, path, json=body), 503, "engine_plugin_missing")
     assert "my_pkg_engine" in err["hint"]
     assert err["cause"] == "not_loaded"
 
@@ -187,9 +193,7 @@ async def test_engine_dead_is_503(app_client, engine, assert_error):
 
 
 @pytest.mark.parametrize("method,path,body", ROUTES)
-async def test_timeout_is_504(
-    method, path, body, monkeypatch, engine, make_app, client_for, assert_error
-):
+async def test_timeout_is_504(method, path, body, monkeypatch, engine, make_app, client_for, assert_error):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
     monkeypatch.setenv("MY_PKG_RPC_TIMEOUT", "0.05")
     app = await make_app(engine)
@@ -246,9 +250,7 @@ async def test_unexpected_bug_is_503_not_500(app_client, monkeypatch, assert_err
     assert metrics_mod.render is not broken
 
 
-async def test_concurrent_requests_while_one_times_out(
-    monkeypatch, engine, make_app, client_for
-):
+async def test_concurrent_requests_while_one_times_out(monkeypatch, engine, make_app, client_for):
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
     monkeypatch.setenv("MY_PKG_RPC_TIMEOUT", "0.05")
     app = await make_app(engine)
@@ -264,14 +266,10 @@ async def test_concurrent_requests_while_one_times_out(
 
 
 # ---------------------------------------------------------- health causes
-async def test_health_not_in_vllm_plugins(
-    monkeypatch, app_client, engine, assert_error
-):
+async def test_health_not_in_vllm_plugins(monkeypatch, app_client, engine, assert_error):
     monkeypatch.setenv("VLLM_PLUGINS", "my_pkg_admin")
     engine.missing.add("my_pkg_ping")
-    err = assert_error(
-        await app_client.get("/plugins/my_pkg/health"), 503, "engine_plugin_missing"
-    )
+    err = assert_error(await app_client.get("/plugins/my_pkg/health"), 503, "engine_plugin_missing")
     assert err["cause"] == "not_in_vllm_plugins"
     assert "VLLM_PLUGINS" in err["message"]
     assert "VLLM_PLUGINS=my_pkg_admin,my_pkg_engine" in err["hint"]
@@ -282,17 +280,13 @@ async def test_health_disabled(value, monkeypatch, app_client, engine, assert_er
     monkeypatch.setenv("VLLM_PLUGINS", "my_pkg_admin,my_pkg_engine")
     monkeypatch.setenv("MY_PKG_DISABLE", value)
     engine.missing.add("my_pkg_ping")
-    err = assert_error(
-        await app_client.get("/plugins/my_pkg/health"), 503, "engine_plugin_missing"
-    )
+    err = assert_error(await app_client.get("/plugins/my_pkg/health"), 503, "engine_plugin_missing")
     assert err["cause"] == "disabled"
     assert "MY_PKG_DISABLE" in err["message"] and "MY_PKG_DISABLE" in err["hint"]
 
 
 @pytest.mark.parametrize("value", ["0", "false", "", "off"])
-async def test_health_disable_other_values_are_generic(
-    value, monkeypatch, app_client, engine, assert_error
-):
+async def test_health_disable_other_values_are_generic(value, monkeypatch, app_client, engine, assert_error):
     monkeypatch.setenv("MY_PKG_DISABLE", value)
     engine.missing.add("my_pkg_ping")
     err = assert_error(await app_client.get("/plugins/my_pkg/health"), 503)

@@ -95,19 +95,18 @@ async def test_an_update_rejected_after_its_wait_expired_changes_nothing(stalled
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/plugins/my_pkg/health"), ("GET", FLASHHEAD), ("GET", "/plugins/my_pkg/metrics"),
-     ("PUT", FLASHHEAD)],
+    [("GET", "/plugins/my_pkg/health"), ("GET", FLASHHEAD), ("GET", "/plugins/my_pkg/metrics"), ("PUT", FLASHHEAD)],
 )
 async def test_a_dead_engine_answers_503_at_once_without_an_rpc(stalled, engine, assert_error, method, path):
     c, _ = stalled
     engine.errored = True
-    assert_error(await c.request(method, path, json={"n_probes": 2} if method == "PUT" else None),
-                 503, "engine_dead")
+    assert_error(await c.request(method, path, json={"n_probes": 2} if method == "PUT" else None), 503, "engine_dead")
     assert engine.calls == []
 
 
-async def test_an_update_that_ends_in_the_tick_its_wait_expires_answers_its_result(monkeypatch, engine, make_app,
-                                                                                    client_for):
+async def test_an_update_that_ends_in_the_tick_its_wait_expires_answers_its_result(
+    monkeypatch, engine, make_app, client_for
+):
     """The wait race: the task is done when the wait's timeout fires; its result is the answer, not 503."""
     from types import SimpleNamespace
 
@@ -117,11 +116,22 @@ async def test_an_update_that_ends_in_the_tick_its_wait_expires_answers_its_resu
         await awaitable  # the task ends...
         raise asyncio.TimeoutError  # ...and the timeout fires in the same tick
 
-    monkeypatch.setattr(client_mod, "asyncio", SimpleNamespace(
-        wait_for=expires_as_the_task_ends, shield=asyncio.shield, TimeoutError=asyncio.TimeoutError,
-        ensure_future=asyncio.ensure_future, Task=asyncio.Task, Future=asyncio.Future,
-        AbstractEventLoop=asyncio.AbstractEventLoop, get_running_loop=asyncio.get_running_loop,
-        CancelledError=asyncio.CancelledError, sleep=asyncio.sleep))
+    monkeypatch.setattr(
+        client_mod,
+        "asyncio",
+        SimpleNamespace(
+            wait_for=expires_as_the_task_ends,
+            shield=asyncio.shield,
+            TimeoutError=asyncio.TimeoutError,
+            ensure_future=asyncio.ensure_future,
+            Task=asyncio.Task,
+            Future=asyncio.Future,
+            AbstractEventLoop=asyncio.AbstractEventLoop,
+            get_running_loop=asyncio.get_running_loop,
+            CancelledError=asyncio.CancelledError,
+            sleep=asyncio.sleep,
+        ),
+    )
     monkeypatch.setenv("MY_PKG_ADMIN_TOKEN", TOKEN)
     app = await make_app(engine)
     async with client_for(app, token=TOKEN) as c:

@@ -47,9 +47,15 @@ def _core_app() -> FastAPI:
 
 def _server_args(api_key=None) -> Namespace:
     return Namespace(
-        api_key=api_key, allowed_origins=["*"], allow_credentials=False,
-        allowed_methods=["*"], allowed_headers=["*"], enable_request_id_headers=False,
-        middleware=[], log_error_stack=False, root_path=None,
+        api_key=api_key,
+        allowed_origins=["*"],
+        allow_credentials=False,
+        allowed_methods=["*"],
+        allowed_headers=["*"],
+        enable_request_id_headers=False,
+        middleware=[],
+        log_error_stack=False,
+        root_path=None,
     )
 
 
@@ -100,9 +106,7 @@ def test_does_not_shadow_core_routes(vllm_iface, monkeypatch):
     assert added and all(path.startswith(ROUTE_PREFIX + "/") for path, _ in added)
 
 
-async def test_api_key_guards_plugin_routes_and_errors_keep_our_format(
-    vllm_app, client_for, assert_error, engine
-):
+async def test_api_key_guards_plugin_routes_and_errors_keep_our_format(vllm_app, client_for, assert_error, engine):
     async with client_for(vllm_app) as anon:
         # vLLM's middleware guards /v1 but not /plugins: our check answers
         assert (await anon.get("/v1/models")).status_code == 401
@@ -117,16 +121,16 @@ async def test_api_key_guards_plugin_routes_and_errors_keep_our_format(
     assert engine.methods in ([], ["my_pkg_status"])  # at most the start-up snapshot
     async with client_for(vllm_app, token=TOKEN) as c:
         # The server's API key reads; it never mutates (every inference client holds it).
-        err = assert_error(await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 3}),
-                           403, "permission_error")
+        err = assert_error(await c.put("/plugins/my_pkg/flashhead", json={"n_probes": 3}), 403, "permission_error")
         assert err["required_role"] == "admin"
         engine.errors["my_pkg_worker_info"] = ValueError("bad")
         assert_error(await c.get("/plugins/my_pkg/workers"), 503, "worker_error")
     assert "my_pkg_flashhead_validate" not in engine.methods
     async with client_for(vllm_app, token=ADMIN) as admin:
         # vLLM maps validation errors to 400 in its own format; ours stay 422
-        err = assert_error(await admin.put("/plugins/my_pkg/flashhead", json={"n_probes": 0}),
-                           422, "invalid_request_error")
+        err = assert_error(
+            await admin.put("/plugins/my_pkg/flashhead", json={"n_probes": 0}), 422, "invalid_request_error"
+        )
         assert err["errors"]
         assert (await admin.put("/plugins/my_pkg/flashhead", json={"n_probes": 3})).status_code == 200
 
@@ -154,18 +158,14 @@ async def test_openapi_lists_routes_and_models(vllm_app):
         op = paths[path][method]
         ref = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.endswith("/" + model)
-        assert op["responses"]["401"]["content"]["application/json"]["schema"][
-            "$ref"].endswith("/ErrorResponse")
+        assert op["responses"]["401"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
         assert "503" in op["responses"] and "504" in op["responses"]
     put = paths["/plugins/my_pkg/flashhead"]["put"]
-    assert put["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
-        "/FlashHeadUpdate")
-    assert put["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
-        "/FlashHeadUpdateResponse")
+    assert put["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/FlashHeadUpdate")
+    assert put["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/FlashHeadUpdateResponse")
     assert {"409", "422"} <= set(put["responses"])
     assert "404" in paths["/plugins/my_pkg/config/{section}"]["get"]["responses"]
-    assert "text/plain" in paths["/plugins/my_pkg/metrics"]["get"]["responses"]["200"][
-        "content"]
+    assert "text/plain" in paths["/plugins/my_pkg/metrics"]["get"]["responses"]["200"]["content"]
     schemas = spec["components"]["schemas"]
     upd = schemas["FlashHeadUpdate"]
     assert upd["additionalProperties"] is False
@@ -173,8 +173,7 @@ async def test_openapi_lists_routes_and_models(vllm_app):
     for name in ("WorkerInfo", "FlashHeadStatus", "ErrorResponse", "ErrorInfo"):
         assert name in schemas
     # nothing outside our prefix came from us
-    assert all(not p.startswith("/plugins/") or p.startswith(ROUTE_PREFIX + "/")
-               for p in paths)
+    assert all(not p.startswith("/plugins/") or p.startswith(ROUTE_PREFIX + "/") for p in paths)
     # the bearer scheme is in the document, on every plugin operation (and on nothing of vLLM's)
     scheme = spec["components"]["securitySchemes"]["my_pkg_bearer"]
     assert scheme["type"] == "http" and scheme["scheme"] == "bearer" and "MY_PKG_ADMIN_TOKEN" in scheme["description"]
@@ -216,8 +215,9 @@ def test_import_pulls_in_neither_vllm_nor_engine_half():
 
 
 @pytest.mark.parametrize("sent", [None, "caller-id-7"])
-async def test_with_vllms_request_id_headers_one_x_request_id_goes_out(sent, vllm_iface, monkeypatch, engine,
-                                                                       client_for):
+async def test_with_vllms_request_id_headers_one_x_request_id_goes_out(
+    sent, vllm_iface, monkeypatch, engine, client_for
+):
     """`--enable-request-id-headers`: vLLM's middleware writes the header; the plugin uses the same id."""
     from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
 

@@ -21,12 +21,17 @@ def worker():
     from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
 
     model_config = SimpleNamespace(
-        model="org/model", served_model_name="served-name", dtype=torch.bfloat16,
-        max_model_len=256, hf_token="hf_secret_value",
+        model="org/model",
+        served_model_name="served-name",
+        dtype=torch.bfloat16,
+        max_model_len=256,
+        hf_token="hf_secret_value",
     )
     kv = [torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)]
     return SimpleNamespace(
-        rank=1, local_rank=1, device=torch.device("cpu"),
+        rank=1,
+        local_rank=1,
+        device=torch.device("cpu"),
         model_config=model_config,
         cache_config=CacheConfig(block_size=16),
         parallel_config=ParallelConfig(tensor_parallel_size=1),
@@ -37,7 +42,11 @@ def worker():
 
 def test_ping_identifies_plugin_rank_and_process(worker):
     assert rpc.my_pkg_ping(worker) == {
-        "plugin": "my_pkg", "version": my_pkg.__version__, "rank": 1, "dp_rank": 0, "pid": os.getpid(),
+        "plugin": "my_pkg",
+        "version": my_pkg.__version__,
+        "rank": 1,
+        "dp_rank": 0,
+        "pid": os.getpid(),
     }
 
 
@@ -100,8 +109,14 @@ def test_to_jsonable_handles_odd_values():
         RED = 1
 
     value = {"a": float("nan"), "b": {1, 2}, "c": Color.RED, "api_key": "k", "d": torch.float16, "e": (1, [2])}
-    assert to_jsonable(value) == {"a": "nan", "b": [1, 2], "c": 1, "api_key": REDACTED, "d": "torch.float16",
-                                  "e": [1, [2]]}
+    assert to_jsonable(value) == {
+        "a": "nan",
+        "b": [1, 2],
+        "c": 1,
+        "api_key": REDACTED,
+        "d": "torch.float16",
+        "e": [1, [2]],
+    }
 
 
 @pytest.mark.parametrize("name", sorted(rpc.WORKER_METHODS))
@@ -112,9 +127,14 @@ def test_every_result_survives_vllms_rpc_encoder(worker, name):
 
     method = rpc.WORKER_METHODS[name]
     txn = {"id": "t", "holder": "h", "lease_s": 5}
-    args = {"my_pkg_config": ("model",), "my_pkg_flashhead_validate": ({"n_probes": 2},),
-            "my_pkg_flashhead_apply": ({"n_probes": 2},), "my_pkg_flashhead_prepare": ({"n_probes": 2}, txn),
-            "my_pkg_flashhead_commit": ({"n_probes": 2}, txn), "my_pkg_flashhead_abort": (txn,)}.get(name, ())
+    args = {
+        "my_pkg_config": ("model",),
+        "my_pkg_flashhead_validate": ({"n_probes": 2},),
+        "my_pkg_flashhead_apply": ({"n_probes": 2},),
+        "my_pkg_flashhead_prepare": ({"n_probes": 2}, txn),
+        "my_pkg_flashhead_commit": ({"n_probes": 2}, txn),
+        "my_pkg_flashhead_abort": (txn,),
+    }.get(name, ())
     try:
         result = method(worker, *args)
     except RuntimeError:
@@ -189,8 +209,9 @@ def flashhead_worker(worker, monkeypatch):
     weight = torch.randn(512, 32)
     assignments = torch.arange(512) % 32
     centroids = torch.stack([weight[assignments == c].mean(0) for c in range(32)])
-    controller = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": 4},
-                                     vocab_size=512, pinned_ids=[2])
+    controller = FlashHeadController(
+        centroids=centroids, assignments=assignments, config={"n_probes": 4}, vocab_size=512, pinned_ids=[2]
+    )
     controller.bind(weight)
     monkeypatch.setattr(rpc, "_controller", lambda w: controller if w is worker else None)
     return worker
@@ -252,6 +273,7 @@ def test_an_update_is_applied_as_the_contract_reads_it(flashhead_worker):
 
 # ---- versioned updates: lease, compare-and-set, audit ----------------------------------------------
 
+
 def _txn(id_="t1", holder="host:1/api0", lease_s=30.0, **extra):
     return {"id": id_, "holder": holder, "lease_s": lease_s, **extra}
 
@@ -261,8 +283,12 @@ def test_prepare_takes_the_lease_and_a_second_transaction_finds_it_busy(flashhea
     assert first["granted"] and first["version"] == 0 and first["before"]["n_probes"] == 4
     second = rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("b", "server-b"))
     assert not second["granted"] and second["conflict"] == "busy" and second["holder"] == "server-a"
-    done = rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("a", new_version=1),
-                                       {"time": "t", "result": "applied", "status_code": 200, "transaction": "a"})
+    done = rpc.my_pkg_flashhead_commit(
+        flashhead_worker,
+        {"n_probes": 5},
+        _txn("a", new_version=1),
+        {"time": "t", "result": "applied", "status_code": 200, "transaction": "a"},
+    )
     assert done["settings_version"] == 1 and done["n_probes"] == 5
     assert rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("b"))["granted"]
 
@@ -291,8 +317,13 @@ def test_a_lapsed_lease_is_taken_over_and_its_late_commit_refused(flashhead_work
 def test_commit_and_abort_keep_the_audit_on_rank_0_only(flashhead_worker):
     flashhead_worker.rank = 0
     rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn("a"))
-    entry = {"time": "2026-01-01T00:00:00Z", "result": "applied", "status_code": 200, "transaction": "a",
-             "token_source": "MY_PKG_ADMIN_TOKEN"}
+    entry = {
+        "time": "2026-01-01T00:00:00Z",
+        "result": "applied",
+        "status_code": 200,
+        "transaction": "a",
+        "token_source": "MY_PKG_ADMIN_TOKEN",
+    }
     rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("a"), entry)
     rpc.my_pkg_flashhead_abort(flashhead_worker, _txn("b"), {**entry, "result": "rejected", "transaction": "b"})
     entries = rpc.my_pkg_audit(flashhead_worker)["entries"]
@@ -309,12 +340,15 @@ def test_status_carries_the_settings_version(flashhead_worker):
 
 # ---- redaction by allowlist ----------------------------------------------------------------------
 
+
 def test_parallel_config_hides_addresses_ports_and_ray_env_values(worker):
     from vllm.config import ParallelConfig
 
     worker.parallel_config = ParallelConfig(tensor_parallel_size=1)
-    worker.parallel_config.ray_runtime_env = {"env_vars": {"DATABASE_URL": "postgres://u:pw@db/x",
-                                                           "HF_TOKEN": "hf_x"}, "pip": ["pkg"]}
+    worker.parallel_config.ray_runtime_env = {
+        "env_vars": {"DATABASE_URL": "postgres://u:pw@db/x", "HF_TOKEN": "hf_x"},
+        "pip": ["pkg"],
+    }
     config = rpc.my_pkg_config(worker, "parallel")["config"]
     text = json.dumps(config)
     assert "pw@" not in text and "hf_x" not in text and "postgres" not in text
@@ -344,6 +378,5 @@ def test_urls_lose_their_user_info_and_the_depth_cut_is_truncated():
 def test_fields_off_the_allowlist_are_redacted_numbers_pass():
     from my_pkg.engine.jsonable import redacted_section
 
-    out = redacted_section({"allowed_local_media_path": "/data", "new_text_field": "x", "max_model_len": 256},
-                           "model")
+    out = redacted_section({"allowed_local_media_path": "/data", "new_text_field": "x", "max_model_len": 256}, "model")
     assert out == {"allowed_local_media_path": REDACTED, "new_text_field": REDACTED, "max_model_len": 256}

@@ -40,15 +40,28 @@ def clustered_head(vocab: int, hidden: int, seed: int = 0) -> torch.Tensor:
 def make_model(tmp_path):
     """Factory: ``make_model(vocab, hidden, tied=False, shards=1, arch="LlamaForCausalLM")``."""
 
-    def _make(vocab=200, hidden=24, *, tied=False, shards=1, arch="LlamaForCausalLM", name="model",
-              embed_key="model.embed_tokens.weight", extra_config=None):
+    def _make(
+        vocab=200,
+        hidden=24,
+        *,
+        tied=False,
+        shards=1,
+        arch="LlamaForCausalLM",
+        name="model",
+        embed_key="model.embed_tokens.weight",
+        extra_config=None,
+    ):
         head = clustered_head(vocab, hidden)
-        tensors = {embed_key: head if tied else torch.randn(vocab, hidden),
-                   "model.norm.weight": torch.ones(hidden)}
+        tensors = {embed_key: head if tied else torch.randn(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
         if not tied:
             tensors["lm_head.weight"] = head
-        config = {"architectures": [arch], "hidden_size": hidden, "vocab_size": vocab,
-                  "tie_word_embeddings": tied, **(extra_config or {})}
+        config = {
+            "architectures": [arch],
+            "hidden_size": hidden,
+            "vocab_size": vocab,
+            "tie_word_embeddings": tied,
+            **(extra_config or {}),
+        }
         return write_checkpoint(tmp_path / name, tensors, config, shards), head
 
     return _make

@@ -5,8 +5,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from my_pkg.cli import main
-from my_pkg.flashhead.assets import (CACHE_DIR_NAME, CACHE_FILE_NAME, FlashHeadAssetError, load_assets,
-                                     load_clustering_cache, load_lm_head, read_config)
+from my_pkg.flashhead.assets import (
+    CACHE_DIR_NAME,
+    CACHE_FILE_NAME,
+    FlashHeadAssetError,
+    load_assets,
+    load_clustering_cache,
+    load_lm_head,
+    read_config,
+)
 
 from .conftest import write_checkpoint
 
@@ -38,8 +45,9 @@ def test_build_untied_and_tied(make_model, tied):
 
 
 def test_sharded_index_and_gemma_prefix(make_model):
-    model, head = make_model(tied=True, shards=3, embed_key="model.language_model.embed_tokens.weight",
-                             arch="Gemma3ForConditionalGeneration")
+    model, head = make_model(
+        tied=True, shards=3, embed_key="model.language_model.embed_tokens.weight", arch="Gemma3ForConditionalGeneration"
+    )
     assert (model / "model.safetensors.index.json").exists()
     w, key = load_lm_head(model)
     assert key == "model.language_model.embed_tokens.weight"
@@ -50,22 +58,31 @@ def test_sharded_index_and_gemma_prefix(make_model):
 
 def test_lm_head_absent_uses_embedding(tmp_path):
     head = torch.randn(64, 8)
-    model = write_checkpoint(tmp_path / "m", {"model.embed_tokens.weight": head},
-                             {"architectures": ["X"], "hidden_size": 8, "vocab_size": 64})
+    model = write_checkpoint(
+        tmp_path / "m",
+        {"model.embed_tokens.weight": head},
+        {"architectures": ["X"], "hidden_size": 8, "vocab_size": 64},
+    )
     w, key = load_lm_head(model)
     assert key == "model.embed_tokens.weight" and torch.equal(w, head)
 
 
 def test_missing_key_and_non_2d_errors(tmp_path, capsys):
-    m1 = write_checkpoint(tmp_path / "a", {"model.norm.weight": torch.ones(8)},
-                          {"architectures": ["X"], "hidden_size": 8, "vocab_size": 64})
+    m1 = write_checkpoint(
+        tmp_path / "a",
+        {"model.norm.weight": torch.ones(8)},
+        {"architectures": ["X"], "hidden_size": 8, "vocab_size": 64},
+    )
     with pytest.raises(FlashHeadAssetError, match="no LM head"):
         load_lm_head(m1)
     assert _build(m1) == 1
     err = capsys.readouterr().err
     assert "no LM head" in err and "Traceback" not in err
-    m2 = write_checkpoint(tmp_path / "b", {"lm_head.weight": torch.ones(64, 8, 2)},
-                          {"architectures": ["X"], "hidden_size": 8, "vocab_size": 64})
+    m2 = write_checkpoint(
+        tmp_path / "b",
+        {"lm_head.weight": torch.ones(64, 8, 2)},
+        {"architectures": ["X"], "hidden_size": 8, "vocab_size": 64},
+    )
     with pytest.raises(FlashHeadAssetError, match="2-D"):
         load_lm_head(m2)
     m3 = tmp_path / "c"
@@ -115,8 +132,13 @@ def test_loader_accepts_leading_singleton_dims_and_validates(make_model):
     path = model / CACHE_DIR_NAME / CACHE_FILE_NAME
     cache = load_file(str(path))
     cent0, assign0 = load_assets(model, read_config(model))
-    save_file({"centroids": cache["centroids"][None, None].contiguous(),
-               "cluster_assignments": cache["cluster_assignments"].to(torch.int32)}, str(path))
+    save_file(
+        {
+            "centroids": cache["centroids"][None, None].contiguous(),
+            "cluster_assignments": cache["cluster_assignments"].to(torch.int32),
+        },
+        str(path),
+    )
     cent, assign = load_assets(model, read_config(model))
     assert cent.shape == (4, 8) and torch.equal(cent, cent0)
     assert assign.dtype == torch.int64 and torch.equal(assign, assign0)

@@ -30,9 +30,29 @@ def test_write_section_keeps_other_sections(tmp_path):
 
 
 def test_bench_head_runs_small():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "head.py"), "--hidden", "40", "--vocab", "512",
-                           "--batches", "1,3", "--repeats", "1", "--min-time", "0", "--no-write", "--n-probes", "4"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "head.py"),
+            "--hidden",
+            "40",
+            "--vocab",
+            "512",
+            "--batches",
+            "1,3",
+            "--repeats",
+            "1",
+            "--min-time",
+            "0",
+            "--no-write",
+            "--n-probes",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "B=   3" in proc.stdout and "crossover batch" in proc.stdout

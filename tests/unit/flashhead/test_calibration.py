@@ -9,8 +9,16 @@ from safetensors.torch import load_file, save_file
 from my_pkg.cli import main
 from my_pkg.flashhead import FlashHead
 from my_pkg.flashhead.assets import CACHE_DIR_NAME, CACHE_FILE_NAME, CALIBRATION_KEY, load_assets, read_config
-from my_pkg.flashhead.calibration import (agreement_curve, agreement_lower_bound, calibrate_stage1, choose_n_probes,
-                                          cluster_targets, fit_stage1, probes_needed, scored_fraction)
+from my_pkg.flashhead.calibration import (
+    agreement_curve,
+    agreement_lower_bound,
+    calibrate_stage1,
+    choose_n_probes,
+    cluster_targets,
+    fit_stage1,
+    probes_needed,
+    scored_fraction,
+)
 from my_pkg.flashhead.clustering import balanced_kmeans, random_balanced_assignment
 from my_pkg.flashhead.evaluate import synthetic_head, synthetic_hidden_states
 
@@ -20,8 +28,9 @@ VOCAB, HIDDEN = 1024, 32
 def _states(weight: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     """LM-like states: aimed at a head row, plus a shared offset direction (as trained LMs have)."""
     hidden = synthetic_hidden_states(weight, n, noise=1.5, seed=seed)
-    offset = torch.nn.functional.normalize(torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(5)),
-                                           dim=0)
+    offset = torch.nn.functional.normalize(
+        torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(5)), dim=0
+    )
     return hidden + 0.7 * offset * hidden.norm(dim=1, keepdim=True)
 
 
@@ -83,7 +92,8 @@ def test_probes_needed_matches_flashhead_greedy_with_pins_and_ties(clustered):
     curve = agreement_curve(needed, res.num_clusters)
     for p in (1, 3, 8, 20, res.num_clusters):
         assert float(curve[p]) == pytest.approx(
-            _agreement_by_greedy(weight, res.centroids, res.assignments, hidden, p, pinned), abs=1e-12)
+            _agreement_by_greedy(weight, res.centroids, res.assignments, hidden, p, pinned), abs=1e-12
+        )
     assert float(curve[res.num_clusters]) == 1.0
 
 
@@ -132,8 +142,9 @@ def test_fit_raises_heldout_agreement_over_weight_only(clustered, fitted):
 def test_fit_is_deterministic_for_a_seed(clustered):
     weight, res = clustered
     hidden = _states(weight, 600, seed=6)
-    first, again, other = (fit_stage1(weight, res.assignments, hidden, res.centroids, seed=seed, epochs=2)
-                           for seed in (0, 0, 1))
+    first, again, other = (
+        fit_stage1(weight, res.assignments, hidden, res.centroids, seed=seed, epochs=2) for seed in (0, 0, 1)
+    )
     assert torch.equal(first.centroids, again.centroids) and torch.equal(first.heldout_rows, again.heldout_rows)
     assert not torch.equal(first.heldout_rows, other.heldout_rows)
 
@@ -144,14 +155,16 @@ def test_fitted_scores_stay_in_logit_units(clustered, fitted):
     unseen = _states(weight, 1000, seed=3)
     logits = unseen @ weight.t()
     log_size = torch.log(torch.bincount(res.assignments).float())
-    log_mass = torch.stack([torch.logsumexp(logits[:, res.assignments == k], dim=1)
-                            for k in range(res.num_clusters)], dim=1)
+    log_mass = torch.stack(
+        [torch.logsumexp(logits[:, res.assignments == k], dim=1) for k in range(res.num_clusters)], dim=1
+    )
     estimate = unseen @ fitted.centroids.t() + log_size
     total_error = (torch.logsumexp(estimate, dim=1) - torch.logsumexp(logits, dim=1)).abs().median()
     heaviest = log_mass.argmax(1, keepdim=True)
     heaviest_error = (estimate.gather(1, heaviest) - log_mass.gather(1, heaviest)).abs().median()
-    weight_only = (torch.logsumexp(unseen @ res.centroids.t() + log_size, dim=1)
-                   - torch.logsumexp(logits, dim=1)).abs().median()
+    weight_only = (
+        (torch.logsumexp(unseen @ res.centroids.t() + log_size, dim=1) - torch.logsumexp(logits, dim=1)).abs().median()
+    )
     assert total_error < 2.0 and heaviest_error < 2.0, (float(total_error), float(heaviest_error))
     assert total_error < weight_only / 2
 
@@ -199,8 +212,9 @@ def test_calibrate_stage1_writes_the_count_every_validation_set_needs(clustered)
     hidden = _states(weight, 2000, seed=4)
     shifted = synthetic_hidden_states(weight, 1500, noise=2.5, seed=9)  # no shared offset, noisier: other text
     alone = calibrate_stage1(weight, res.assignments, res.centroids, hidden, target_agreement=0.9, epochs=10)
-    both = calibrate_stage1(weight, res.assignments, res.centroids, hidden, target_agreement=0.9, epochs=10,
-                            validation={"shifted": shifted})
+    both = calibrate_stage1(
+        weight, res.assignments, res.centroids, hidden, target_agreement=0.9, epochs=10, validation={"shifted": shifted}
+    )
     assert torch.equal(alone.centroids, both.centroids)  # validation states never reach the fit
     rows, need, at = both.validation["shifted"]
     assert rows == 1500 and need.n_probes > alone.n_probes and both.n_probes >= need.n_probes
@@ -223,16 +237,26 @@ def trained():
     """The trained fixture's head clustered weight-only, then its stage 1 built three ways, as ``build`` does:
     calibrated on each source's calibration states (n_probes validated on the model's own samples too), and
     self-calibrated on the model's own samples (the default build)."""
-    from my_pkg.devtools.trained_fixture import load_trained_fixture
+    from tests.support.trained_fixture import load_trained_fixture
 
     fx = load_trained_fixture()
     res = balanced_kmeans(fx.weight, 16, iterations=20, seed=0, progress=False)
     pinned = sorted({fx.eos_id, *fx.special_ids.values()})
-    builds = {source: calibrate_stage1(fx.weight, res.assignments, res.centroids, fx.source(source)[0],
-                                       pinned_ids=pinned, seed=0, validation={"model samples": fx.generated})
-              for source in SOURCES}
-    builds["self"] = calibrate_stage1(fx.weight, res.assignments, res.centroids, fx.generated, pinned_ids=pinned,
-                                      seed=0)
+    builds = {
+        source: calibrate_stage1(
+            fx.weight,
+            res.assignments,
+            res.centroids,
+            fx.source(source)[0],
+            pinned_ids=pinned,
+            seed=0,
+            validation={"model samples": fx.generated},
+        )
+        for source in SOURCES
+    }
+    builds["self"] = calibrate_stage1(
+        fx.weight, res.assignments, res.centroids, fx.generated, pinned_ids=pinned, seed=0
+    )
     return fx, res, pinned, builds
 
 
@@ -245,8 +269,10 @@ def _shifted(build):
     return [s for s in SOURCES if s != build]
 
 
-@pytest.mark.parametrize("build, within, target", [("docstrings", 0.10, 0.995), ("code", 0.10, 0.995),
-                                                   ("self", 0.12, 0.995), ("self", 0.12, 0.999)])
+@pytest.mark.parametrize(
+    "build, within, target",
+    [("docstrings", 0.10, 0.995), ("code", 0.10, 0.995), ("self", 0.12, 0.995), ("self", 0.12, 0.999)],
+)
 def test_trained_lm_stage1_meets_the_targets_on_shifted_text(trained, build, within, target):
     """Issue targets on text of another source than the calibration (fp32 reference): ``--calibration`` on one
     source >= 0.995 at <= 10 % of the rows on the other; the default (self-calibrated) build >= 0.995 at <= 12 %
@@ -277,12 +303,14 @@ def test_trained_lm_builder_choice_of_n_probes_holds_on_shifted_text(trained, bu
     assert cal.choice.scored_fraction <= (0.12 if build == "self" else 0.10)
     assert cal.choice.scored_fraction == pytest.approx(scored_fraction(c, cal.n_probes, 16, vocab, len(pinned)))
     held = fx.source(build)[0][cal.fit.heldout_rows] if build != "self" else fx.generated[cal.fit.heldout_rows]
-    curve = agreement_curve(probes_needed(cal.centroids, held, cluster_targets(
-        fx.weight, res.assignments, held, pinned_ids=pinned)), c)
+    curve = agreement_curve(
+        probes_needed(cal.centroids, held, cluster_targets(fx.weight, res.assignments, held, pinned_ids=pinned)), c
+    )
     assert float(curve[cal.n_probes]) == pytest.approx(cal.choice.agreement, abs=1e-12)
     for source in _shifted(build):
-        unseen = _agreement_by_greedy(fx.weight, cal.centroids, res.assignments, fx.source(source)[1], cal.n_probes,
-                                      pinned)
+        unseen = _agreement_by_greedy(
+            fx.weight, cal.centroids, res.assignments, fx.source(source)[1], cal.n_probes, pinned
+        )
         assert unseen >= 0.995, (build, source, cal.n_probes, unseen)
 
 
@@ -314,7 +342,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from my_pkg.devtools.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from tests.support.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", TinyLlamaSpec(vocab_size=512, hidden_size=64))
 
@@ -323,8 +351,10 @@ def tiny_llama(tmp_path_factory):
 def calibration_text(tmp_path_factory):
     import random
 
-    words = ("the of and to a in is it you that he was for on are with as his they be at one have this from or had "
-             "by hot word but what some we can out other were all there when up use your how said an each she").split()
+    words = (
+        "the of and to a in is it you that he was for on are with as his they be at one have this from or had "
+        "by hot word but what some we can out other were all there when up use your how said an each she"
+    ).split()
     rng = random.Random(0)
     path = tmp_path_factory.mktemp("text") / "calibration.txt"
     path.write_text(" ".join(rng.choice(words) for _ in range(1500)))
@@ -340,8 +370,18 @@ def test_cli_calibration_text_writes_fitted_vectors_and_chosen_probes(tiny_llama
     assert _build(tiny_llama, "--output", str(weight_only), "--no-calibration") == 0
     assert read_config(weight_only)[CALIBRATION_KEY]["source"] == "none"
     capsys.readouterr()
-    assert _build(tiny_llama, "--output", str(calibrated), "--calibration", str(calibration_text),
-                  "--target-agreement", "0.99") == 0
+    assert (
+        _build(
+            tiny_llama,
+            "--output",
+            str(calibrated),
+            "--calibration",
+            str(calibration_text),
+            "--target-agreement",
+            "0.99",
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "calibrated stage 1 on 1,500 hidden states (text)" in out
 
@@ -379,8 +419,9 @@ def test_cli_calibration_hidden_file_and_explicit_probes(tiny_llama, tmp_path, c
     assert "held-out top-1 agreement at n_probes=5" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("case", ["missing text", "empty text", "missing states", "wrong hidden size",
-                                  "too few states", "not safetensors"])
+@pytest.mark.parametrize(
+    "case", ["missing text", "empty text", "missing states", "wrong hidden size", "too few states", "not safetensors"]
+)
 def test_cli_calibration_bad_input_writes_nothing(tiny_llama, tmp_path, capsys, case):
     states = tmp_path / "states.safetensors"
     if case == "empty text":
@@ -397,9 +438,14 @@ def test_cli_calibration_bad_input_writes_nothing(tiny_llama, tmp_path, capsys, 
         rows, width = (100, 63) if case == "wrong hidden size" else (5, 64)
         save_file({"hidden_states": torch.randn(rows, width)}, str(states))
         extra = ["--calibration-hidden", str(states)]
-    expected = {"missing text": "cannot read calibration text", "empty text": "is empty",
-                "missing states": "not found", "not safetensors": "cannot read calibration hidden states",
-                "wrong hidden size": "must be [N, 64]", "too few states": "at least 20"}[case]
+    expected = {
+        "missing text": "cannot read calibration text",
+        "empty text": "is empty",
+        "missing states": "not found",
+        "not safetensors": "cannot read calibration hidden states",
+        "wrong hidden size": "must be [N, 64]",
+        "too few states": "at least 20",
+    }[case]
     out_dir = tmp_path / "out"
     before = (tiny_llama / "config.json").read_text()
     assert _build(tiny_llama, "--output", str(out_dir), *extra) == 1
@@ -433,8 +479,9 @@ def test_self_calibration_states_are_seeded_and_reproduce_the_logits(tiny_lm):
     from my_pkg.flashhead.calibration import SELF_CALIBRATION_PROMPTS, generate_calibration_states
 
     model, tokenizer = tiny_lm
-    first, again, other = (generate_calibration_states(model, tokenizer, max_states=150, new_tokens=8, seed=seed)
-                           for seed in (0, 0, 1))
+    first, again, other = (
+        generate_calibration_states(model, tokenizer, max_states=150, new_tokens=8, seed=seed) for seed in (0, 0, 1)
+    )
     assert first.hidden.shape == (150, 64) and torch.equal(first.hidden, again.hidden)
     assert not torch.equal(first.hidden, other.hidden)
     assert first.rounds == -(-150 // (len(SELF_CALIBRATION_PROMPTS) * 8)) and not first.stopped_by_time

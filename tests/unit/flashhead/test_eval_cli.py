@@ -17,9 +17,16 @@ def _tiny_llama(path):
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # a non-trivial final norm, so a missing norm would be detected
         model.model.norm.weight.uniform_(0.5, 2.0)
@@ -29,8 +36,9 @@ def _tiny_llama(path):
         vocab[f"w{i}"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(str(path))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        str(path)
+    )
     return model
 
 
@@ -115,8 +123,10 @@ def test_eval_on_a_bf16_checkpoint_uses_a_float32_reference(bf16_llama, tmp_path
     f = tmp_path / "hs.safetensors"
     save_file({"hidden_states": hidden}, str(f))
 
-    assert main(["flashhead", "eval", str(bf16_llama), "--hidden-states", str(f), "--samples", "3000",
-                 "--probes", "2,6"]) == 0
+    assert (
+        main(["flashhead", "eval", str(bf16_llama), "--hidden-states", str(f), "--samples", "3000", "--probes", "2,6"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "reference: dense head in float32" in out and "clusters in bfloat16" in out
     assert "the dense head in bfloat16 picks a float32 argmax" in out

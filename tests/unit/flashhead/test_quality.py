@@ -28,10 +28,18 @@ def test_eval_counts_a_tie_with_the_dense_maximum_as_agreement():
     import torch
 
     target = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    weight = torch.stack([
-        target, -target, -target + 0.1, -target - 0.1,                            # cluster 0
-        0.5 * target, 0.4 * target + 0.1, 0.3 * target - 0.1, target.clone(),    # cluster 1
-    ])
+    weight = torch.stack(
+        [
+            target,
+            -target,
+            -target + 0.1,
+            -target - 0.1,  # cluster 0
+            0.5 * target,
+            0.4 * target + 0.1,
+            0.3 * target - 0.1,
+            target.clone(),  # cluster 1
+        ]
+    )
     assignments = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     centroids = score_centroids(weight, assignments, 2)
     head = FlashHead(weight, centroids, assignments, n_probes=1, backend="torch")

@@ -35,7 +35,7 @@ SAMPLED_EXTRA_BUDGET = 0.20
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The fixture's head as a tied checkpoint, built by the CLI with and without calibration; the held-out states."""
-    from my_pkg.devtools.trained_fixture import load_trained_fixture
+    from tests.support.trained_fixture import load_trained_fixture
 
     fx = load_trained_fixture()
     root = tmp_path_factory.mktemp("trained-lm")
@@ -44,8 +44,10 @@ def models(tmp_path_factory):
     save_file({"hidden_states": fx.calibration}, str(root / "calibration.safetensors"))
     save_file({"hidden_states": fx.heldout}, str(root / "heldout.safetensors"))
     built = {}
-    for name, extra in (("calibrated", ["--calibration-hidden", str(root / "calibration.safetensors")]),
-                        ("weight-only", [])):
+    for name, extra in (
+        ("calibrated", ["--calibration-hidden", str(root / "calibration.safetensors")]),
+        ("weight-only", []),
+    ):
         path = write_checkpoint(root / name, {"model.embed_tokens.weight": fx.weight}, config)
         (path / "tokenizer_config.json").write_text(json.dumps(special))
         assert main(["flashhead", "build", str(path), "--no-progress", *extra]) == 0
@@ -72,8 +74,9 @@ def test_sampled_rows_meet_the_tv_targets_at_the_default_settings(models, stage1
         monkeypatch.delenv(name, raising=False)
     built, heldout, fx = models
     capsys.readouterr()
-    assert main(["flashhead", "eval", str(built[stage1]), "--hidden", str(heldout), "--samples", "100000",
-                 "--json"]) == 0
+    assert (
+        main(["flashhead", "eval", str(built[stage1]), "--hidden", str(heldout), "--samples", "100000", "--json"]) == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["hidden_states"] == fx.heldout.shape[0]
     (result,) = report["results"]
@@ -114,8 +117,10 @@ def test_greedy_rows_are_unchanged_and_sampled_rows_reproduce(models):
     expected[:, pins] = True
     assert torch.equal(torch.isfinite(greedy), expected)
     pick, best_pin = head.step_logits(hidden).argmax(1), greedy[:, pins].max(1)
-    assert torch.equal(greedy.argmax(1), torch.where(best_pin.values > greedy.gather(1, pick[:, None])[:, 0],
-                                                     pins[best_pin.indices], pick))
+    assert torch.equal(
+        greedy.argmax(1),
+        torch.where(best_pin.values > greedy.gather(1, pick[:, None])[:, 0], pins[best_pin.indices], pick),
+    )
     # In a mixed batch, greedy rows get the same logits; sampled rows are the same on every call (seeds reproduce).
     mixed = np.arange(hidden.shape[0]) % 3 == 0
     first = head.step_logits(hidden, sampled=mixed, pinned=pins)

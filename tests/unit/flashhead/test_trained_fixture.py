@@ -9,9 +9,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from my_pkg.devtools.trained_fixture import (DEFAULT_FIXTURE_DIR, SPECIAL_TOKENS, STATE_FILES, FixtureSpec,
-                                             collect_code_documents, load_trained_fixture, split_code_documents,
-                                             split_documents)
+from tests.support.trained_fixture import (
+    DEFAULT_FIXTURE_DIR,
+    SPECIAL_TOKENS,
+    STATE_FILES,
+    FixtureSpec,
+    collect_code_documents,
+    load_trained_fixture,
+    split_code_documents,
+    split_documents,
+)
 
 UNIFORM_LOSS = math.log(8192)
 
@@ -77,11 +84,14 @@ def test_code_is_a_shifted_source(fixture):
     """The second source is text the model never trained on and predicts much worse: a real distribution shift."""
     losses = fixture.meta["split_losses"]
     assert losses["code_heldout"] > losses["heldout"] + 0.5, losses
-    for states, targets in ((fixture.code_heldout, fixture.code_heldout_next),
-                            (fixture.code_calibration, fixture.code_calibration_next)):
+    for states, targets in (
+        (fixture.code_heldout, fixture.code_heldout_next),
+        (fixture.code_calibration, fixture.code_calibration_next),
+    ):
         measured = float(torch.nn.functional.cross_entropy(states @ fixture.weight.t(), targets))
         assert abs(measured - losses["code_heldout"]) < 0.4, measured
         assert measured < UNIFORM_LOSS - 1.5  # byte-level BPE still reads code: far from uniform
+
     # The dense argmax lands on other tokens: the two sources' argmax histograms are far apart (the
     # model's own samples are docstring-like).
     def argmax_histogram(states):
@@ -136,8 +146,8 @@ def test_eos_is_a_real_target_and_the_dense_argmax_on_some_rows(fixture):
 
 def test_meta_records_how_it_was_made(fixture):
     meta = fixture.meta
-    assert meta["command"].startswith("python -m my_pkg.devtools.trained_fixture")
-    assert meta["training_command"].startswith("python -m my_pkg.devtools.trained_fixture")
+    assert meta["command"].startswith("python -m tests.support.trained_fixture")
+    assert meta["training_command"].startswith("python -m tests.support.trained_fixture")
     assert "--steps" in meta["training_command"]
     assert meta["steps"] > 0 and meta["tokens_trained_on"] > 0
     assert meta["model_config"]["tie_word_embeddings"] is True

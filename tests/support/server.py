@@ -55,14 +55,21 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        entry = "vllm.entrypoints.openai.api_server" if self.launcher == "api_server" else "my_pkg.devtools.server"
+        entry = "vllm.entrypoints.openai.api_server" if self.launcher == "api_server" else "tests.support.server"
         return [
-            sys.executable, "-m", entry,
-            "--model", self.model,
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--dtype", self.dtype,
-            "--max-model-len", str(self.max_model_len),
+            sys.executable,
+            "-m",
+            entry,
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
             *self.args,
         ]
 
@@ -85,7 +92,10 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")  # noqa: SIM115 - owned by the subprocess
         self.process = subprocess.Popen(
-            self.command(), env=self._environment(), stdout=log, stderr=subprocess.STDOUT,
+            self.command(),
+            env=self._environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         log.close()
@@ -101,9 +111,7 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerStartError(
-                    f"vLLM server exited with code {self.process.returncode}\n{self.log_tail()}"
-                )
+                raise ServerStartError(f"vLLM server exited with code {self.process.returncode}\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from my_pkg.devtools.server import ServerStartError, VllmServer
-from my_pkg.devtools.tiny_model import TinyLlamaSpec, build_tiny_llama
+from tests.support.server import ServerStartError, VllmServer
+from tests.support.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 SPEC = TinyLlamaSpec(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
 
@@ -42,8 +42,20 @@ def _prepare_model(work: Path) -> Path:
     flash = work / "tiny-llama-flashhead"
     if not (flash / "flash_head_assets" / "clustering_cache.safetensors").exists():
         subprocess.run(
-            [sys.executable, "-m", "my_pkg", "flashhead", "build", str(base), "--output", str(flash),
-             "--cluster-size", "16", "--n-probes", "32"],
+            [
+                sys.executable,
+                "-m",
+                "my_pkg",
+                "flashhead",
+                "build",
+                str(base),
+                "--output",
+                str(flash),
+                "--cluster-size",
+                "16",
+                "--n-probes",
+                "32",
+            ],
             check=True,
         )
     return flash
@@ -76,20 +88,31 @@ def run(work: Path) -> int:
     try:
         with httpx.Client(base_url=server.url, timeout=120.0) as http:
             _title("3. A completion (served through FlashHead)")
-            completion = http.post("/v1/completions", json={
-                "model": str(model), "prompt": "the world and the sun", "max_tokens": 16, "temperature": 0,
-            })
+            completion = http.post(
+                "/v1/completions",
+                json={
+                    "model": str(model),
+                    "prompt": "the world and the sun",
+                    "max_tokens": 16,
+                    "temperature": 0,
+                },
+            )
             print(f"POST /v1/completions -> HTTP {completion.status_code}")
             if completion.status_code == 200:
                 body = completion.json()
                 print(f"text (random weights, so gibberish): {body['choices'][0]['text']!r}")
-                print(f"usage: {body['usage']['prompt_tokens']} prompt + {body['usage']['completion_tokens']} completion tokens")
+                usage = body["usage"]
+                print(f"usage: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens")
             else:
                 print(completion.text)
 
             _title("4. Admin routes (Authorization: Bearer <token>)")
-            for path in ("/plugins/my_pkg/health", "/plugins/my_pkg/workers", "/plugins/my_pkg/config/scheduler",
-                         "/plugins/my_pkg/flashhead"):
+            for path in (
+                "/plugins/my_pkg/health",
+                "/plugins/my_pkg/workers",
+                "/plugins/my_pkg/config/scheduler",
+                "/plugins/my_pkg/flashhead",
+            ):
                 _show(http.get(path, headers=headers))
                 print()
             _show(http.put("/plugins/my_pkg/flashhead", json={"n_probes": 64}, headers=headers), keep=500)

@@ -38,7 +38,7 @@ def _build_tokenizer(vocab_size: int):
     Common English words come first so prompts tokenize to real ids; the rest
     are filler tokens. Byte-free and deterministic.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -57,7 +57,7 @@ def _build_tokenizer(vocab_size: int):
         "head stand own page should country found answer school grow study still learn plant cover "
         "food sun four between state keep eye never last let thought city tree cross farm hard start "
         "might story saw far sea draw left late run while press close night real life few north "
-        "{ } [ ] : , \" . ! ? 0 1 2 3 4 5 6 7 8 9 json name age true false null hello world"
+        '{ } [ ] : , " . ! ? 0 1 2 3 4 5 6 7 8 9 json name age true false null hello world'
     ).split()
     vocab: dict[str, int] = {}
     for token in specials + words:
@@ -68,9 +68,7 @@ def _build_tokenizer(vocab_size: int):
         vocab[f"w{filler}"] = len(vocab)
         filler += 1
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
-    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
@@ -144,16 +142,21 @@ def build_tiny_lora(path: str | Path, base_model: str | Path, rank: int = 8, see
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=generator)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base_model),
-        "r": rank,
-        "lora_alpha": rank,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "target_modules": sorted(out_features),
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-    }, indent=2))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": str(base_model),
+                "r": rank,
+                "lora_alpha": rank,
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "target_modules": sorted(out_features),
+                "fan_in_fan_out": False,
+                "modules_to_save": None,
+            },
+            indent=2,
+        )
+    )
     return path

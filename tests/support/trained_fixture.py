@@ -24,7 +24,7 @@ Steps of :func:`build_trained_fixture`:
 6. Write ``head.safetensors``, the state files of :data:`STATE_FILES`, ``generated.safetensors``,
    ``tokenizer.json`` and ``meta.json`` (see :func:`write_fixture`).
 
-Run as ``python -m my_pkg.devtools.trained_fixture --out DIR [--steps N | --minutes M] [--seed S]
+Run as ``python -m tests.support.trained_fixture --out DIR [--steps N | --minutes M] [--seed S]
 [--save-model DIR2] [--from-model DIR2]``; ``--from-model`` skips steps 3-4 and re-captures from a model saved
 with ``--save-model``. Run it on one thread (it sets ``torch.set_num_threads(1)``), with ``nice`` on a shared
 machine.
@@ -47,25 +47,56 @@ import sys
 import sysconfig
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["FixtureSpec", "TrainedFixture", "Corpus", "collect_corpus", "collect_documents", "split_documents",
-           "collect_code_documents", "split_code_documents", "build_trained_fixture", "capture_fixture",
-           "load_saved_model", "load_trained_fixture", "DEFAULT_FIXTURE_DIR", "STATE_FILES"]
+__all__ = [
+    "FixtureSpec",
+    "TrainedFixture",
+    "Corpus",
+    "collect_corpus",
+    "collect_documents",
+    "split_documents",
+    "collect_code_documents",
+    "split_code_documents",
+    "build_trained_fixture",
+    "capture_fixture",
+    "load_saved_model",
+    "load_trained_fixture",
+    "DEFAULT_FIXTURE_DIR",
+    "STATE_FILES",
+]
 
-DEFAULT_FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "assets" / "trained_lm"
+DEFAULT_FIXTURE_DIR = Path(__file__).resolve().parents[1] / "assets" / "trained_lm"
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")
 
 # Modules whose import has side effects (opens a browser, prints, starts a GUI) or that are test suites.
-_SKIPPED_MODULES = frozenset({
-    "antigravity", "this", "__hello__", "__phello__", "__main__", "tkinter", "turtle", "turtledemo", "idlelib",
-    "test", "lib2to3", "ensurepip", "venv", "pydoc_data", "xxlimited", "xxlimited_35", "xxsubtype",
-})
+_SKIPPED_MODULES = frozenset(
+    {
+        "antigravity",
+        "this",
+        "__hello__",
+        "__phello__",
+        "__main__",
+        "tkinter",
+        "turtle",
+        "turtledemo",
+        "idlelib",
+        "test",
+        "lib2to3",
+        "ensurepip",
+        "venv",
+        "pydoc_data",
+        "xxlimited",
+        "xxlimited_35",
+        "xxsubtype",
+    }
+)
 _SKIPPED_PARTS = frozenset({"test", "tests", "idle_test", "__main__"})
 
 CORPUS_DESCRIPTION = (
@@ -371,12 +402,17 @@ def train_tokenizer(documents: list[str], vocab_size: int) -> Any:
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(documents, trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"the tokenizer learned {tokenizer.get_vocab_size()} tokens, wanted {vocab_size}: "
-                           "too little training text")
+        raise RuntimeError(
+            f"the tokenizer learned {tokenizer.get_vocab_size()} tokens, wanted {vocab_size}: too little training text"
+        )
     for expected, token in enumerate(SPECIAL_TOKENS):
         if tokenizer.token_to_id(token) != expected:
             raise RuntimeError(f"special token {token} did not get id {expected}")
@@ -410,10 +446,16 @@ def build_model(spec: FixtureSpec) -> Any:
 
     special = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     config = LlamaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_attention_heads, max_position_embeddings=spec.context,
-        tie_word_embeddings=True, pad_token_id=special["[PAD]"], bos_token_id=special["[BOS]"],
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,
+        max_position_embeddings=spec.context,
+        tie_word_embeddings=True,
+        pad_token_id=special["[PAD]"],
+        bos_token_id=special["[BOS]"],
         eos_token_id=special["[EOS]"],
     )
     torch.manual_seed(spec.seed)
@@ -432,7 +474,7 @@ def mean_loss(model: Any, windows: torch.Tensor, batch: int = 32) -> float:
     model.eval()
     total = 0.0
     for s in range(0, windows.shape[0], batch):
-        part = windows[s:s + batch]
+        part = windows[s : s + batch]
         total += float(_loss(model, part)) * part.shape[0]
     model.train()
     return total / windows.shape[0]
@@ -447,8 +489,14 @@ class TrainingLog:
     history: list[dict[str, float]]
 
 
-def train(model: Any, train_stream: torch.Tensor, heldout_windows: torch.Tensor, spec: FixtureSpec,
-          steps: int | None = None, log: Any = print) -> TrainingLog:
+def train(
+    model: Any,
+    train_stream: torch.Tensor,
+    heldout_windows: torch.Tensor,
+    spec: FixtureSpec,
+    steps: int | None = None,
+    log: Any = print,
+) -> TrainingLog:
     """Train on random windows of ``train_stream`` for ``spec.minutes`` (or exactly ``steps`` steps).
 
     The learning rate warms up linearly for ``spec.warmup_steps`` steps, then follows a cosine down to
@@ -459,9 +507,11 @@ def train(model: Any, train_stream: torch.Tensor, heldout_windows: torch.Tensor,
     generator = torch.Generator().manual_seed(spec.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=spec.learning_rate, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=spec.learning_rate,
+        betas=(0.9, 0.95),
+    )
     probe = heldout_windows[: spec.eval_sequences]
     max_offset = train_stream.numel() - spec.context - 1
     budget_s = spec.minutes * 60.0
@@ -485,7 +535,7 @@ def train(model: Any, train_stream: torch.Tensor, heldout_windows: torch.Tensor,
         for group in optimizer.param_groups:
             group["lr"] = lr
         offsets = torch.randint(0, max_offset, (spec.batch_size,), generator=generator)
-        batch = torch.stack([train_stream[o:o + spec.context + 1] for o in offsets.tolist()])
+        batch = torch.stack([train_stream[o : o + spec.context + 1] for o in offsets.tolist()])
         # bfloat16 autocast is about a third faster on CPUs with native bfloat16 and 2.5x slower without it.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.bfloat16):
             loss = _loss(model, batch)
@@ -500,15 +550,27 @@ def train(model: Any, train_stream: torch.Tensor, heldout_windows: torch.Tensor,
             warmup_end = time.perf_counter()
         if step % spec.eval_every == 0:
             heldout = mean_loss(model, probe)
-            entry = {"step": step, "seconds": round(time.perf_counter() - start, 1), "lr": round(lr, 7),
-                     "train_loss": round(running / running_n, 4), "heldout_loss": round(heldout, 4)}
+            entry = {
+                "step": step,
+                "seconds": round(time.perf_counter() - start, 1),
+                "lr": round(lr, 7),
+                "train_loss": round(running / running_n, 4),
+                "heldout_loss": round(heldout, 4),
+            }
             history.append(entry)
             log(json.dumps(entry))
             running, running_n = 0.0, 0
     seconds = time.perf_counter() - start
     if running_n:
-        history.append({"step": step, "seconds": round(seconds, 1), "lr": round(lr, 7),
-                        "train_loss": round(running / running_n, 4), "heldout_loss": round(mean_loss(model, probe), 4)})
+        history.append(
+            {
+                "step": step,
+                "seconds": round(seconds, 1),
+                "lr": round(lr, 7),
+                "train_loss": round(running / running_n, 4),
+                "heldout_loss": round(mean_loss(model, probe), 4),
+            }
+        )
     train_loss = history[-1]["train_loss"] if history else float("nan")
     return TrainingLog(step, step * spec.batch_size * spec.context, seconds, train_loss, history)
 
@@ -525,8 +587,9 @@ def _learning_rate(step: int, progress: float, spec: FixtureSpec) -> float:
 
 
 @torch.no_grad()
-def capture(model: Any, windows: torch.Tensor, rows: int, seed: int,
-            batch: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def capture(
+    model: Any, windows: torch.Tensor, rows: int, seed: int, batch: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states (the LM head's input) and true next tokens at a deterministic subsample of positions.
 
     Every position of every window is a candidate; ``rows`` of them are drawn without replacement
@@ -537,7 +600,7 @@ def capture(model: Any, windows: torch.Tensor, rows: int, seed: int,
     states, targets = [], []
     head = model.get_output_embeddings()
     for s in range(0, windows.shape[0], batch):
-        part = windows[s:s + batch]
+        part = windows[s : s + batch]
         out = model.model(input_ids=part[:, :-1])
         hidden = out.last_hidden_state
         if s == 0:
@@ -559,8 +622,15 @@ def capture(model: Any, windows: torch.Tensor, rows: int, seed: int,
 STATE_FILES = ("calibration", "heldout", "code_calibration", "code_heldout")
 
 
-def write_fixture(out: Path, *, weight: torch.Tensor, states: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                  generated: torch.Tensor, tokenizer: Any, meta: dict[str, Any]) -> None:
+def write_fixture(
+    out: Path,
+    *,
+    weight: torch.Tensor,
+    states: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    generated: torch.Tensor,
+    tokenizer: Any,
+    meta: dict[str, Any],
+) -> None:
     """Write the fixture files to ``out``.
 
     ``head.safetensors``: ``weight`` float16 ``[V, H]``. ``<split>.safetensors`` for each of
@@ -574,8 +644,13 @@ def write_fixture(out: Path, *, weight: torch.Tensor, states: dict[str, tuple[to
     save_file({"weight": weight.detach().to(torch.float16).contiguous()}, str(out / "head.safetensors"))
     for name in STATE_FILES:
         hidden, targets = states[name]
-        save_file({"hidden_states": hidden.to(torch.float16).contiguous(),
-                   "next_token_ids": targets.to(torch.int32).contiguous()}, str(out / f"{name}.safetensors"))
+        save_file(
+            {
+                "hidden_states": hidden.to(torch.float16).contiguous(),
+                "next_token_ids": targets.to(torch.int32).contiguous(),
+            },
+            str(out / f"{name}.safetensors"),
+        )
     save_file({"hidden_states": generated.to(torch.float16).contiguous()}, str(out / "generated.safetensors"))
     tokenizer.save(str(out / "tokenizer.json"), pretty=False)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -614,9 +689,14 @@ def save_model(model: Any, tokenizer: Any, path: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     model.save_pretrained(path, safe_serialization=True)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]",
-                            eos_token="[EOS]", model_max_length=model.config.max_position_embeddings,
-                            ).save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        model_max_length=model.config.max_position_embeddings,
+    ).save_pretrained(path)
 
 
 def _training_meta(spec: FixtureSpec, model: Any, result: TrainingLog, heldout_loss: float) -> dict[str, Any]:
@@ -635,9 +715,16 @@ def _training_meta(spec: FixtureSpec, model: Any, result: TrainingLog, heldout_l
     }
 
 
-def build_trained_fixture(out: Path, spec: FixtureSpec, *, steps: int | None = None,
-                          model_dir: Path | None = None, from_model: Path | None = None, command: str = "",
-                          log: Any = print) -> dict[str, Any]:
+def build_trained_fixture(
+    out: Path,
+    spec: FixtureSpec,
+    *,
+    steps: int | None = None,
+    model_dir: Path | None = None,
+    from_model: Path | None = None,
+    command: str = "",
+    log: Any = print,
+) -> dict[str, Any]:
     """Collect, tokenize, train (or load ``from_model``), capture and write the fixture to ``out``; returns ``meta``.
 
     ``model_dir``: also save the trained model there (with ``fixture_training.json``), so that a later run
@@ -645,9 +732,11 @@ def build_trained_fixture(out: Path, spec: FixtureSpec, *, steps: int | None = N
     """
     torch.manual_seed(spec.seed)
     corpus = collect_corpus(spec)
-    log(f"documents: train {len(corpus.train)}, calibration {len(corpus.calibration)}, "
+    log(
+        f"documents: train {len(corpus.train)}, calibration {len(corpus.calibration)}, "
         f"held-out {len(corpus.heldout)} (modules imported {corpus.modules_imported}, "
-        f"skipped {corpus.modules_skipped})")
+        f"skipped {corpus.modules_skipped})"
+    )
     if from_model is not None:
         model, tokenizer, training = load_saved_model(from_model)
         log(f"model and tokenizer from {from_model.name}: trained {training['steps']} steps")
@@ -660,8 +749,10 @@ def build_trained_fixture(out: Path, spec: FixtureSpec, *, steps: int | None = N
         log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
         result = train(model, train_stream, heldout_windows, spec, steps=steps, log=log)
         heldout_loss = mean_loss(model, heldout_windows)
-        log(f"trained {result.steps} steps in {result.seconds:.0f} s; held-out loss {heldout_loss:.3f} "
-            f"(perplexity {math.exp(heldout_loss):.1f})")
+        log(
+            f"trained {result.steps} steps in {result.seconds:.0f} s; held-out loss {heldout_loss:.3f} "
+            f"(perplexity {math.exp(heldout_loss):.1f})"
+        )
         training = {**_training_meta(spec, model, result, heldout_loss), "training_command": command}
         if model_dir is not None:
             save_model(model, tokenizer, model_dir)
@@ -684,12 +775,28 @@ def load_saved_model(path: Path) -> tuple[Any, Any, dict[str, Any]]:
 def _hf_tokenizer(tokenizer: Any, context: int) -> Any:
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]",
-                                   eos_token="[EOS]", model_max_length=context, padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        model_max_length=context,
+        padding_side="left",
+    )
 
 
-def capture_fixture(out: Path, model: Any, tokenizer: Any, corpus: Corpus, spec: FixtureSpec,
-                    training: dict[str, Any], *, command: str = "", log: Any = print) -> dict[str, Any]:
+def capture_fixture(
+    out: Path,
+    model: Any,
+    tokenizer: Any,
+    corpus: Corpus,
+    spec: FixtureSpec,
+    training: dict[str, Any],
+    *,
+    command: str = "",
+    log: Any = print,
+) -> dict[str, Any]:
     """Capture every state file of the fixture from ``model`` and write it (see :func:`write_fixture`).
 
     Docstrings (the training source): calibration and held-out documents. Code (a second source the model
@@ -703,26 +810,35 @@ def capture_fixture(out: Path, model: Any, tokenizer: Any, corpus: Corpus, spec:
 
     model.eval()
     code = split_code_documents(collect_code_documents(), spec)
-    streams = {"calibration": token_stream(tokenizer, corpus.calibration),
-               "heldout": token_stream(tokenizer, corpus.heldout),
-               "code_calibration": token_stream(tokenizer, code["calibration"]),
-               "code_heldout": token_stream(tokenizer, code["heldout"])}
+    streams = {
+        "calibration": token_stream(tokenizer, corpus.calibration),
+        "heldout": token_stream(tokenizer, corpus.heldout),
+        "code_calibration": token_stream(tokenizer, code["calibration"]),
+        "code_heldout": token_stream(tokenizer, code["heldout"]),
+    }
     log("tokens: " + ", ".join(f"{k} {v.numel():,}" for k, v in streams.items()))
-    rows = {"calibration": spec.calibration_rows, "heldout": spec.heldout_rows,
-            "code_calibration": spec.code_rows, "code_heldout": spec.code_rows}
-    captured = {name: capture(model, _windows(stream, spec.context), rows[name], spec.seed + 1 + i)
-                for i, (name, stream) in enumerate(streams.items())}
+    rows = {
+        "calibration": spec.calibration_rows,
+        "heldout": spec.heldout_rows,
+        "code_calibration": spec.code_rows,
+        "code_heldout": spec.code_rows,
+    }
+    captured = {
+        name: capture(model, _windows(stream, spec.context), rows[name], spec.seed + 1 + i)
+        for i, (name, stream) in enumerate(streams.items())
+    }
     losses = {name: round(mean_loss(model, _windows(stream, spec.context)), 4) for name, stream in streams.items()}
     log(f"mean next-token loss per split: {losses}")
     t0 = time.perf_counter()
-    generated = generate_calibration_states(model, _hf_tokenizer(tokenizer, spec.context),
-                                            max_states=spec.generated_rows, seed=spec.seed)
+    generated = generate_calibration_states(
+        model, _hf_tokenizer(tokenizer, spec.context), max_states=spec.generated_rows, seed=spec.seed
+    )
     log(f"generated {generated.hidden.shape[0]} states in {time.perf_counter() - t0:.1f} s")
     special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     meta = {
         "description": "Small Llama LM trained from scratch on Python standard-library docstrings; its LM head "
-                       "and final hidden states of text it never trained on (docstrings, and standard-library "
-                       "code, a second source), and of its own samples, for FlashHead quality tests.",
+        "and final hidden states of text it never trained on (docstrings, and standard-library "
+        "code, a second source), and of its own samples, for FlashHead quality tests.",
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
         "eos_id": special_ids["[EOS]"],
@@ -735,25 +851,39 @@ def capture_fixture(out: Path, model: Any, tokenizer: Any, corpus: Corpus, spec:
         "split_losses": losses,
         "corpus": {
             "description": CORPUS_DESCRIPTION,
-            "documents": {"train": len(corpus.train), "calibration": len(corpus.calibration),
-                          "heldout": len(corpus.heldout)},
+            "documents": {
+                "train": len(corpus.train),
+                "calibration": len(corpus.calibration),
+                "heldout": len(corpus.heldout),
+            },
             "modules_imported": corpus.modules_imported,
             "modules_skipped": corpus.modules_skipped,
             "licence": "Python Software Foundation License (text of the Python standard library)",
         },
-        "code_corpus": {"description": CODE_CORPUS_DESCRIPTION,
-                        "documents": {"calibration": len(code["calibration"]), "heldout": len(code["heldout"])},
-                        "licence": "Python Software Foundation License (source of the Python standard library)"},
+        "code_corpus": {
+            "description": CODE_CORPUS_DESCRIPTION,
+            "documents": {"calibration": len(code["calibration"]), "heldout": len(code["heldout"])},
+            "licence": "Python Software Foundation License (source of the Python standard library)",
+        },
         "tokens": {name: stream.numel() for name, stream in streams.items()},
         "rows": {**rows, "generated": int(generated.hidden.shape[0])},
         "generated": generated.record(),
         "python_version": platform.python_version(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "tokenizers": tokenizers.__version__},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
         "command": command,
     }
-    write_fixture(out, weight=model.get_output_embeddings().weight, states=captured,
-                  generated=generated.hidden, tokenizer=tokenizer, meta=meta)
+    write_fixture(
+        out,
+        weight=model.get_output_embeddings().weight,
+        states=captured,
+        generated=generated.hidden,
+        tokenizer=tokenizer,
+        meta=meta,
+    )
     return meta
 
 
@@ -772,17 +902,26 @@ def _recorded_args(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m my_pkg.devtools.trained_fixture",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.support.trained_fixture", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the fixture files")
     parser.add_argument("--minutes", type=float, default=FixtureSpec.minutes, help="training time box")
     parser.add_argument("--steps", type=int, default=None, help="train exactly this many steps (ignores --minutes)")
     parser.add_argument("--seed", type=int, default=FixtureSpec.seed)
     parser.add_argument("--bfloat16", action="store_true", help="train under bfloat16 autocast")
-    parser.add_argument("--save-model", type=Path, default=None, metavar="DIR",
-                        help="also save the full Hugging Face model and tokenizer here")
-    parser.add_argument("--from-model", type=Path, default=None, metavar="DIR",
-                        help="skip training: capture the states from a model saved earlier with --save-model")
+    parser.add_argument(
+        "--save-model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also save the full Hugging Face model and tokenizer here",
+    )
+    parser.add_argument(
+        "--from-model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="skip training: capture the states from a model saved earlier with --save-model",
+    )
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error("--minutes must be positive")
@@ -790,11 +929,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be >= 1")
     torch.set_num_threads(1)
     recorded = _recorded_args(sys.argv[1:] if argv is None else argv)
-    command = " ".join(["python -m my_pkg.devtools.trained_fixture", *recorded])
+    command = " ".join(["python -m tests.support.trained_fixture", *recorded])
     spec = FixtureSpec(minutes=args.minutes, seed=args.seed, bfloat16=args.bfloat16)
-    build_trained_fixture(args.out, spec, steps=args.steps, model_dir=args.save_model, from_model=args.from_model,
-                          command=command,
-                          log=lambda line: print(line, flush=True))
+    build_trained_fixture(
+        args.out,
+        spec,
+        steps=args.steps,
+        model_dir=args.save_model,
+        from_model=args.from_model,
+        command=command,
+        log=lambda line: print(line, flush=True),
+    )
     return 0
 
 
