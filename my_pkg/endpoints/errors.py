@@ -37,7 +37,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from my_pkg import PLUGIN_NAME, __version__
-from my_pkg.contract import CONFIG_SECTIONS, MAX_UPDATE_INT
+from my_pkg.contract import CONFIG_SECTIONS, UPDATE_FIELDS, FlashHeadUpdate
 from my_pkg.endpoints.config import (
     ENV_ADMIN_TOKEN,
     ENV_ALLOW_ANONYMOUS_READS,
@@ -320,11 +320,33 @@ def body_too_large_error(limit: int) -> AdminAPIError:
     )
 
 
-UPDATE_HINT = (
-    "Send a JSON object with at least one of 'enabled' (bool), "
-    f"'n_probes' (int, 1 to {MAX_UPDATE_INT}), 'dense_batch_threshold' (int, 0 to {MAX_UPDATE_INT}, "
-    "or null for never); no other fields."
-)
+def _field_in_words(schema: dict[str, Any]) -> str:
+    """A field's JSON schema in a few words: `int, 1 to 9`, `bool`, `int, 0 to 9, or null`."""
+    options = schema.get("anyOf", [schema])
+    words = []
+    for option in options:
+        kind = option.get("type")
+        if kind == "null":
+            continue
+        text = {"boolean": "bool", "integer": "int", "number": "number", "string": "string"}.get(kind, str(kind))
+        if "minimum" in option and "maximum" in option:
+            text += f", {option['minimum']} to {option['maximum']}"
+        elif "minimum" in option:
+            text += f", >= {option['minimum']}"
+        words.append(text)
+    if any(option.get("type") == "null" for option in options):
+        words.append("or null")
+    return ", ".join(words)
+
+
+def _update_hint() -> str:
+    """The 422 hint, generated from the contract's `FlashHeadUpdate` so it cannot drift from the schema."""
+    fields = FlashHeadUpdate.model_json_schema()["properties"]
+    described = ", ".join(f"'{name}' ({_field_in_words(fields[name])})" for name in UPDATE_FIELDS)
+    return f"Send a JSON object with at least one of {described}; no other fields."
+
+
+UPDATE_HINT = _update_hint()
 
 
 def request_validation_error(details: list[dict[str, Any]]) -> AdminAPIError:

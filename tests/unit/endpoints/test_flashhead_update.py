@@ -191,3 +191,16 @@ async def test_engine_half_missing_on_put(app_client, engine, assert_error):
     err = assert_error(await app_client.put(URL, json={"n_probes": 4}), 503, "engine_plugin_missing")
     assert "my_pkg_engine" in err["hint"]
     assert "my_pkg_flashhead_commit" not in engine.methods
+
+
+def test_the_422_hint_is_generated_from_the_update_schema():
+    from my_pkg.contract import UPDATE_FIELDS, FlashHeadUpdate
+    from my_pkg.endpoints.errors import UPDATE_HINT, _update_hint
+
+    assert UPDATE_HINT == _update_hint()
+    for name in UPDATE_FIELDS:
+        assert f"'{name}' (" in UPDATE_HINT
+    bounds = FlashHeadUpdate.model_json_schema()["properties"]["n_probes"]
+    assert f"'n_probes' (int, {bounds['minimum']} to {bounds['maximum']})" in UPDATE_HINT
+    assert "'dense_batch_threshold' (int, 0 to" in UPDATE_HINT and "or null)" in UPDATE_HINT
+    assert "'enabled' (bool)" in UPDATE_HINT and "or null" not in UPDATE_HINT.split("'n_probes'")[0]
