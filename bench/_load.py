@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from tests.support.admin_client import AdminClient, bearer
 from tests.support.server import VllmServer
 from tests.support.tiny_model import TinyLlamaSpec, build_tiny_llama
 
@@ -118,28 +119,17 @@ def flashhead_server(
 
 
 def auth_headers(token: str = ADMIN_TOKEN) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+    return bearer(token)
 
 
-class Admin:
+class Admin(AdminClient):
     """The FlashHead admin route of one server (worker 0 is reported; all workers are set)."""
 
     def __init__(self, url: str, token: str = ADMIN_TOKEN) -> None:
-        self.http = httpx.Client(base_url=url, headers=auth_headers(token), timeout=60.0)
+        super().__init__(url, token)
 
     def status(self) -> dict[str, Any]:
-        response = self.http.get(FLASHHEAD_ROUTE)
-        response.raise_for_status()
-        return response.json()["workers"][0]
-
-    def update(self, **settings: Any) -> dict[str, Any]:
-        response = self.http.put(FLASHHEAD_ROUTE, json=settings)
-        if response.status_code != 200:
-            raise RuntimeError(f"PUT {FLASHHEAD_ROUTE} {settings} -> {response.status_code}: {response.text}")
-        return response.json()["workers"][0]
-
-    def close(self) -> None:
-        self.http.close()
+        return self.flashhead()
 
 
 @dataclass(frozen=True)

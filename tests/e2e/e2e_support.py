@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 
+from tests.support.admin_client import bearer
 from tests.support.server import VllmServer
 from tests.support.tiny_model import TinyLlamaSpec
 
@@ -23,7 +24,7 @@ NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max
 
 
 def auth(token: str = API_KEY) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+    return bearer(token)
 
 
 def client(server: VllmServer) -> httpx.Client:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.admin_client import AdminClient
 from tests.support.server import ServerStartError, VllmServer
 from tests.support.tiny_model import TinyLlamaSpec, build_tiny_llama
 
@@ -66,7 +67,7 @@ def run(work: Path) -> int:
     model = _prepare_model(work)
     print(f"model: {model}")
 
-    token = secrets.token_urlsafe(16)
+    token = secrets.token_urlsafe(32)  # the admin half warns about tokens under 32 characters
     server = VllmServer(
         model=str(model),
         env={"VLLM_PLUGINS": "my_pkg_engine,my_pkg_admin", "MY_PKG_ADMIN_TOKEN": token},
@@ -84,9 +85,8 @@ def run(work: Path) -> int:
         print(exc, file=sys.stderr)
         return 1
     print(f"ready in {time.monotonic() - started:.0f} s at {server.url}")
-    headers = {"Authorization": f"Bearer {token}"}
     try:
-        with httpx.Client(base_url=server.url, timeout=120.0) as http:
+        with httpx.Client(base_url=server.url, timeout=120.0) as http, AdminClient(server.url, token) as admin:
             _title("3. A completion (served through FlashHead)")
             completion = http.post(
                 "/v1/completions",
@@ -113,15 +113,15 @@ def run(work: Path) -> int:
                 "/plugins/my_pkg/config/scheduler",
                 "/plugins/my_pkg/flashhead",
             ):
-                _show(http.get(path, headers=headers))
+                _show(admin.get(path))
                 print()
-            _show(http.put("/plugins/my_pkg/flashhead", json={"n_probes": 64}, headers=headers), keep=500)
+            _show(admin.put("flashhead", {"n_probes": 64}), keep=500)
             print()
-            _show(http.get("/plugins/my_pkg/metrics", headers=headers), keep=900)
+            _show(admin.get("metrics"), keep=900)
 
             _title("5. Security: no token, and a bad request")
             _show(http.get("/plugins/my_pkg/workers"))
-            _show(http.put("/plugins/my_pkg/flashhead", json={"n_probes": 0}, headers=headers))
+            _show(admin.put("flashhead", {"n_probes": 0}))
     finally:
         _title("6. Stop the server")
         server.stop()
