@@ -7,19 +7,14 @@ import pytest
 import torch
 
 from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.kernels import torch_ref
+from tests.support.heads import random_head
 
 VOCAB, HIDDEN, PAD = 333, 37, 5  # 21 clusters, the last ones one member short (padded), 5 padding rows
 
 
 def _head(dtype: torch.dtype = torch.float32, n_probes: int = 4, **kw) -> FlashHead:
-    g = torch.Generator().manual_seed(0)
-    weight = torch.randn(VOCAB + PAD, HIDDEN, generator=g).to(dtype)
-    assignments = random_balanced_assignment(VOCAB, 16, seed=1)
-    clusters = int(assignments.max()) + 1
-    centroids = torch.stack([weight[:VOCAB].float()[assignments == c].mean(0) for c in range(clusters)])
-    return FlashHead(weight, centroids, assignments, vocab_size=VOCAB, n_probes=n_probes, backend="torch", **kw)
+    return random_head(VOCAB, HIDDEN, pad=PAD, n_probes=n_probes, dtype=dtype, assignment_seed=1, **kw)[0]
 
 
 def _hidden(rows: int, seed: int = 1) -> torch.Tensor:

@@ -4,6 +4,7 @@ import torch
 from my_pkg.flashhead import FlashHead, balanced_kmeans, default_n_probes
 from my_pkg.flashhead.clustering import cluster_capacities, random_balanced_assignment
 from my_pkg.flashhead.head import build_members
+from tests.support.heads import random_head
 
 from .conftest import clustered_head
 
@@ -52,12 +53,7 @@ def test_build_members_pads_with_own_member():
 
 
 def _head(vocab=333, hidden=37, pad=5, n_probes=4, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(vocab + pad, hidden, generator=g).to(dtype)
-    assign = random_balanced_assignment(vocab, 16, seed=seed)
-    c = int(assign.max()) + 1
-    cent = torch.randn(c, hidden, generator=g)
-    return FlashHead(w, cent, assign, vocab_size=vocab, n_probes=n_probes, backend="torch"), g
+    return random_head(vocab, hidden, pad=pad, n_probes=n_probes, dtype=dtype, seed=seed, centroids="random")
 
 
 @pytest.mark.parametrize("batch", [1, 5])

@@ -11,18 +11,14 @@ import pytest
 import torch
 
 from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.kernels import torch_ref
+from tests.support.heads import random_head
 
 HALF_DTYPES = [torch.bfloat16, torch.float16]
 
 
 def _head(dtype: torch.dtype, vocab: int = 389, hidden: int = 96, pad: int = 11, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(vocab + pad, hidden, generator=g).to(dtype)
-    assign = random_balanced_assignment(vocab, 16, seed=seed)
-    centroids = torch.randn(int(assign.max()) + 1, hidden, generator=g)
-    head = FlashHead(weight, centroids, assign, vocab_size=vocab, n_probes=1, backend="torch")
+    head, g = random_head(vocab, hidden, pad=pad, n_probes=1, dtype=dtype, seed=seed, centroids="random")
     head.n_probes = head.num_clusters
     return head, g
 

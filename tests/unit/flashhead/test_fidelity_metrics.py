@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.evaluate import (
     logit_postprocess,
     sampling_distribution,
@@ -16,6 +15,7 @@ from my_pkg.flashhead.evaluate import (
     synthetic_hidden_states,
     total_variation,
 )
+from tests.support.heads import random_head
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 0.9), (1.0, 1.0), (1.0, 0.95), (1.3, 0.5)])
@@ -56,11 +56,7 @@ def test_logit_postprocess_reads_the_models_soft_cap_and_scale():
 
 
 def _head(n_probes: int = 2) -> FlashHead:
-    g = torch.Generator().manual_seed(3)
-    weight = torch.randn(320, 24, generator=g)
-    assignments = random_balanced_assignment(320, 16, seed=2)
-    centroids = torch.stack([weight[assignments == c].mean(0) for c in range(20)])
-    return FlashHead(weight, centroids, assignments, n_probes=n_probes, backend="torch")
+    return random_head(320, 24, n_probes=n_probes, seed=3, assignment_seed=2)[0]
 
 
 def test_serving_fidelity_matches_a_direct_computation():

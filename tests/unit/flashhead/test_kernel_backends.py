@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.kernels import backend_names, triton_available
+from tests.support.heads import random_head
 
 
 @dataclass(frozen=True)
@@ -44,18 +44,18 @@ BACKEND_CASES = ["torch", "triton"]
 
 
 def _head(backend: str, vocab: int, hidden: int, pad: int, probes: int, dtype: torch.dtype) -> FlashHead:
-    g = torch.Generator().manual_seed(vocab * 7 + hidden)
-    weight = torch.randn(vocab + pad, hidden, generator=g).to(dtype)
-    assignments = random_balanced_assignment(vocab, 16, seed=hidden)
-    clusters = int(assignments.max()) + 1
-    return FlashHead(
-        weight,
-        torch.randn(clusters, hidden, generator=g),
-        assignments,
-        vocab_size=vocab,
-        n_probes=min(probes, clusters),
+    head, _ = random_head(
+        vocab,
+        hidden,
+        pad=pad,
+        n_probes=probes,
+        dtype=dtype,
+        seed=vocab * 7 + hidden,
+        assignment_seed=hidden,
+        centroids="random",
         backend=backend,
     )
+    return head
 
 
 def _violations(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> int:

@@ -9,21 +9,17 @@ import pytest
 import torch
 
 from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.head import default_sampled_n_probes
 from my_pkg.flashhead.tail_estimate import build_tail_tables, default_tail_rank
+from tests.support.heads import random_head
 
 VOCAB, HIDDEN, PAD = 333, 37, 5  # 21 clusters, the last ones one member short (padded in memory)
 
 
 def _head(n_probes: int = 3, dtype: torch.dtype = torch.float32, **kw) -> FlashHead:
-    g = torch.Generator().manual_seed(0)
-    spectrum = (torch.arange(HIDDEN) + 1.0) ** -0.5  # a decaying spectrum, as LM heads have
-    weight = (torch.randn(VOCAB + PAD, HIDDEN, generator=g) * spectrum).to(dtype)
-    assignments = random_balanced_assignment(VOCAB, 16, seed=1)
-    clusters = int(assignments.max()) + 1
-    centroids = torch.stack([weight[:VOCAB].float()[assignments == c].mean(0) for c in range(clusters)])
-    return FlashHead(weight, centroids, assignments, vocab_size=VOCAB, n_probes=n_probes, backend="torch", **kw)
+    return random_head(VOCAB, HIDDEN, pad=PAD, n_probes=n_probes, dtype=dtype, assignment_seed=1, spectrum=True, **kw)[
+        0
+    ]
 
 
 def _hidden(rows: int, seed: int = 1) -> torch.Tensor:
