@@ -5,6 +5,12 @@
     python -m my_pkg.devtools.compat --wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python -m my_pkg.devtools.compat --installed              # the vLLM installed next to this package
 
+``ENGINE_SYMBOLS`` is not kept here: it is collected from the modules under ``my_pkg/engine``, read with
+``ast`` and never imported (they import vLLM). What a module imports from vLLM, and the attributes it reads
+on those imported names, are derived (``derived_symbols``); the rest (attributes read on vLLM objects the
+module is handed, methods it wraps, the parameters, base class or decorator a call relies on) the module
+declares next to its code in ``VLLM_SYMBOLS`` (``my_pkg.engine.vllm_uses``, ``declared_symbols``).
+
 The wheel is fetched with ``pip download vllm==X --no-deps --only-binary=:all:`` into a cache
 folder and read as a zip: nothing is installed or imported, only its ``.py`` sources are parsed
 with ``ast``. Each entry of ``ENGINE_SYMBOLS`` is looked up the way Python would find it at run
@@ -22,6 +28,7 @@ import argparse
 import ast
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,11 +38,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from my_pkg.engine.vllm_uses import DECLARATION, KINDS, Declared, attributes, symbol
+
 __all__ = [
+    "KINDS",
     "VllmSymbol",
     "SymbolCheck",
     "SourceTree",
     "ENGINE_SYMBOLS",
+    "ENGINE_DIR",
+    "engine_symbols",
+    "derived_symbols",
+    "declared_symbols",
+    "unused_declarations",
     "DEFAULT_VLLM_VERSION",
     "check_symbols",
     "fetch_wheel",
@@ -43,7 +58,6 @@ __all__ = [
 ]
 
 DEFAULT_VLLM_VERSION = "0.33.0"
-KINDS = ("module", "class", "function", "method", "attribute")
 EXIT_OK, EXIT_MISSING, EXIT_NO_SOURCES = 0, 1, 2
 _MAX_IMPORT_HOPS = 12
 
@@ -69,200 +83,234 @@ class VllmSymbol:
         return f"{self.module}.{self.qualname}" if self.qualname else self.module
 
 
-def _symbols() -> tuple[VllmSymbol, ...]:
-    worker, runner = "vllm.v1.worker.worker_base", "vllm.v1.worker.gpu_model_runner"
-    batch = "vllm.v1.worker.gpu_input_batch"
-    logits, registry = "vllm.model_executor.layers.logits_processor", "vllm.model_executor.models.registry"
-    rpc, lp, mr = "engine/rpc.py", "engine/patches/logits_processor.py", "engine/patches/model_runner.py"
-    reg, hooks, rows = "engine/patches/model_registry.py", "engine/patches/runner_hooks.py", "engine/flashhead/rows.py"
-    gpu, mr2 = "vllm.v1.worker.gpu", "engine/patches/model_runner_v2.py"
-    vocab = "vllm.model_executor.layers.vocab_parallel_embedding"
-    v2 = f"{gpu}.model_runner"
-    s = VllmSymbol
-    return (
-        # patches/worker.py and rpc.py: methods attached to every worker; what they read on it.
-        s("vllm", "", "module", rpc),
-        s("vllm", "__version__", "attribute", rpc),
-        s(worker, "WorkerBase", "class", "engine/patches/worker.py"),
-        *(
-            s(worker, f"WorkerBase.{name}", "attribute", rpc)
-            for name in (
-                "rank",
-                "local_rank",
-                "device",
-                "model_runner",
-                "model_config",
-                "cache_config",
-                "parallel_config",
-                "scheduler_config",
-            )
-        ),
-        s(runner, "GPUModelRunner.kv_caches", "attribute", rpc),
-        s("vllm.config", "ParallelConfig.world_size", "attribute", rpc),
-        *(
-            s("vllm.config", f"ModelConfig.{name}", "attribute", users)
-            for name, users in (
-                ("model", f"{rpc}, {lp}"),
-                ("dtype", f"{rpc}, {lp}"),
-                ("served_model_name", rpc),
-                ("max_model_len", rpc),
-                ("revision", lp),
-                ("hf_config", lp),
-                ("head_dtype", lp),
-            )
-        ),
-        s("vllm.config", "CacheConfig.block_size", "attribute", rpc),
-        s("vllm.config", "CacheConfig.num_gpu_blocks", "attribute", rpc),
-        # patches/model_registry.py and flashhead_model_entry.py: FlashHead architectures.
-        s("vllm", "ModelRegistry", "attribute", reg),
-        s("vllm", "ModelRegistry.models", "attribute", reg),
-        s(
-            registry,
-            "_LazyRegisteredModel",
-            "class",
-            f"{reg}, engine/patches/flashhead_model_entry.py",
-            params=("module_name", "class_name"),
-            decorator="dataclass(frozen=True)",
-        ),
-        s(registry, "_LazyRegisteredModel.module_name", "attribute", reg),
-        s(registry, "_LazyRegisteredModel.class_name", "attribute", reg),
-        s(
-            registry,
-            "_LazyRegisteredModel.load_model_cls",
-            "method",
-            "engine/patches/flashhead_model_entry.py",
-            params=("self",),
-        ),
-        # patches/logits_processor.py: the out-of-tree LogitsProcessor and the configuration it reads.
-        s("vllm.config", "get_current_vllm_config", "function", lp),
-        *(
-            s("vllm.config", f"VllmConfig.{name}", "attribute", lp)
-            for name in ("model_config", "parallel_config", "speculative_config", "lora_config")
-        ),
-        s("vllm.config", "VllmConfig.use_v2_model_runner", "attribute", "engine/patches/__init__.py"),
-        s("vllm.config", "get_current_vllm_config_or_none", "function", "engine/patches/__init__.py"),
-        s("vllm.config", "ParallelConfig.pipeline_parallel_size", "attribute", lp),
-        s("vllm.model_executor.custom_op", "op_registry_oot", "attribute", lp),
-        s(logits, "LogitsProcessor", "class", lp),
-        s(
-            logits,
-            "LogitsProcessor.forward",
-            "method",
-            lp,
-            params=("self", "lm_head", "hidden_states", "embedding_bias", "skip_gather"),
-        ),
-        s(logits, "LogitsProcessor.register_oot", "method", lp),
-        *(
-            s(logits, f"LogitsProcessor.{name}", "attribute", lp)
-            for name in ("logits_as_input", "org_vocab_size", "soft_cap", "scale")
-        ),
-        s("vllm.lora.layers.logits_processor", "LogitsProcessorWithLoRA.base_layer", "attribute", lp),
-        s(
-            "vllm.model_executor.layers.vocab_parallel_embedding",
-            "VocabParallelEmbedding.quant_method",
-            "attribute",
-            lp,
-        ),
-        s("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod", "class", lp),
-        s("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "class", lp),
-        # patches/model_runner.py: the V1 runner's decode step and its input batch.
-        s(batch, "InputBatch", "class", mr),
-        s(batch, "InputBatch.add_request", "method", mr, params=("self", "request")),
-        s(batch, "InputBatch.remove_request", "method", mr, params=("self", "req_id")),
-        *(
-            s(batch, f"InputBatch.{name}", "attribute", mr)
-            for name in ("num_reqs", "req_id_to_index", "temperature_cpu", "logitsprocs")
-        ),
-        s(batch, "CachedRequestState.req_id", "attribute", mr),
-        s(batch, "CachedRequestState.sampling_params", "attribute", mr),
-        s("vllm.v1.sample.logits_processor.state", "LogitsProcessors.all", "attribute", mr),
-        *(
-            s("vllm.v1.sample.logits_processor.builtin", name, "class", mr)
-            for name in ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
-        ),
-        s(runner, "GPUModelRunner", "class", mr),
-        s(runner, "GPUModelRunner.execute_model", "method", mr, params=("self",)),
-        s(runner, "GPUModelRunner.get_model", "method", hooks, params=("self",)),
-        s(runner, "GPUModelRunner.load_model", "method", f"{mr}, {hooks}", params=("self",)),
-        s(runner, "GPUModelRunner.input_batch", "attribute", mr),
-        s(runner, "GPUModelRunner.model", "attribute", hooks),
-        s(runner, "GPUModelRunner.model_config", "attribute", hooks),
-        s("vllm.config", "ModelConfig.enable_sleep_mode", "attribute", hooks),
-        s("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "class", mr, subclass_of=f"{runner}:GPUModelRunner"),
-        s("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", "method", mr, params=("self",)),
-        # Speculative decoding (V1): the step's draft counts and metadata, and what tells a drafter apart.
-        s(
-            runner,
-            "GPUModelRunner._calc_spec_decode_metadata",
-            "method",
-            mr,
-            params=("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
-        ),
-        s(runner, "GPUModelRunner.speculative_config", "attribute", mr),
-        s("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata.draft_token_ids", "attribute", mr),
-        *(
-            s("vllm.config", f"SpeculativeConfig.{name}", "attribute", "engine/flashhead/spec.py, " + mr)
-            for name in ("method", "num_speculative_tokens", "draft_sample_method")
-        ),
-        s("vllm.compilation.backends", "", "module", lp),
-        s("vllm.compilation.backends", "model_tag", "attribute", lp),
-        # patches/runner_hooks.py: the head built right after the weights load, over the model's LM head.
-        s(vocab, "VocabParallelEmbedding", "class", hooks),
-        s(vocab, "ParallelLMHead", "class", hooks, subclass_of=f"{vocab}:VocabParallelEmbedding"),
-        # patches/model_runner_v2.py: Model Runner V2's sampling step, sampler slots and input batch.
-        s(v2, "GPUModelRunner", "class", mr2),
-        s(v2, "GPUModelRunner.sample", "method", mr2, params=("self", "hidden_states", "input_batch")),
-        s(v2, "GPUModelRunner.load_model", "method", mr2, params=("self",)),
-        s(v2, "GPUModelRunner.get_model", "method", hooks, params=("self",)),
-        s(v2, "GPUModelRunner.sampler", "attribute", mr2),
-        s(v2, "GPUModelRunner.batch_sharder", "attribute", mr2),
-        s(f"{gpu}.sample.sampler", "Sampler", "class", mr2),
-        s(f"{gpu}.sample.sampler", "Sampler.add_request", "method", mr2, params=("self", "req_idx", "sampling_params")),
-        s(f"{gpu}.sample.sampler", "Sampler.sampling_states", "attribute", mr2),
-        s(f"{gpu}.sample.sampler", "Sampler.logits_processors", "attribute", mr2),
-        *(
-            s(f"{gpu}.sample.states", f"SamplingStates.{name}", "attribute", mr2)
-            for name in ("max_num_reqs", "temperature")
-        ),
-        s(f"{gpu}.buffer_utils", "UvaBackedTensor.np", "attribute", mr2),
-        *(
-            s(f"{gpu}.input_batch", f"InputBatch.{name}", "attribute", mr2)
-            for name in ("num_reqs", "idx_mapping_np", "cu_num_logits_np")
-        ),
-        s(f"{gpu}.sample.logit_bias", "LogitBiasState", "class", mr2),
-        s(f"{gpu}.sample.penalties", "PenaltiesState", "class", mr2),
-        s(f"{gpu}.sample.bad_words", "BadWordsState", "class", mr2),
-        # flashhead/rows.py: request fields that decide dense vs FlashHead (DENSE_REQUEST_FIELDS and more),
-        # and the ids vLLM stops a request on.
-        *(
-            s("vllm.sampling_params", f"SamplingParams.{name}", "attribute", rows)
-            for name in (
-                "logprobs",
-                "logprob_token_ids",
-                "structured_outputs",
-                "logit_bias",
-                "allowed_token_ids",
-                "bad_words",
-                "thinking_token_budget",
-                "watermarking",
-                "extra_args",
-                "stop_token_ids",
-                "all_stop_token_ids",
-                "temperature",
-                "presence_penalty",
-                "frequency_penalty",
-                "repetition_penalty",
-            )
-        ),
-        # patches/logits_processor.py: the EOS and special ids of the tokenizer vLLM loads.
-        s("vllm.tokenizers.registry", "cached_tokenizer_from_config", "function", lp, params=("model_config",)),
-    )
+# ---- the manifest: derived from the engine modules ----------------------------------------------
+
+#: The engine half whose vLLM symbols are checked; ``used_by`` paths are relative to its parent (``my_pkg``).
+ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"
+_HELPERS: dict[str, Callable[..., Declared | tuple[Declared, ...]]] = {"symbol": symbol, "attributes": attributes}
+#: Names every Python object answers to, never vLLM's (``WorkerBase.__dict__``, ``LogitsProcessor.__name__``).
+_DICT_METHODS = frozenset(dir(dict))
 
 
-#: Every vLLM symbol the engine half (``my_pkg/engine``) touches. Unit tests fail when a ``vllm`` import of
-#: the engine, or an attribute read on an imported vLLM name, is missing here; attributes read on vLLM
-#: objects the engine is handed (``input_batch.num_reqs``, ``vllm_config.lora_config``) are listed by hand.
-ENGINE_SYMBOLS: tuple[VllmSymbol, ...] = _symbols()
+def _class_shaped(name: str) -> bool:
+    return name.lstrip("_")[:1].isupper()
+
+
+def _target(path: str) -> tuple[str, str]:
+    """``vllm.a.b.Cls.attr`` -> (``vllm.a.b``, ``Cls.attr``): the module ends before the first CapWords name."""
+    parts = path.split(".")
+    cut = next((i for i, part in enumerate(parts) if _class_shaped(part)), len(parts))
+    return ".".join(parts[:cut]), ".".join(parts[cut:])
+
+
+def _source_order(nodes: Iterator[ast.AST]) -> list[ast.AST]:
+    return sorted(nodes, key=lambda node: (getattr(node, "lineno", 0), getattr(node, "col_offset", 0)))
+
+
+def derived_symbols(source: str, used_by: str) -> list[VllmSymbol]:
+    """The vLLM names one engine module's source shows, in source order.
+
+    - ``from vllm.x import Y [as Z]`` and ``import vllm[.x] [as z]``, in any scope, and
+      ``import_module("vllm.x")``; a module-level ``TARGET = "vllm.x.Cls, vllm.y.Other"``.
+    - Attributes read on a name so bound: ``Z.attr``, ``getattr(Z, "attr")``/``hasattr``, and
+      ``(Z, "attr")`` pairs (what ``require`` and ``setattr`` loops take). Python's own names
+      (``__dict__``) and dict methods on a module-level object (``op_registry_oot.get``) are left out.
+
+    Kinds follow the code's shape: an imported CapWords name is a class, an imported name the module
+    calls a function, else an attribute; an attribute read is a method when called or paired, else an
+    attribute. A ``VLLM_SYMBOLS`` declaration of the same name in the module overrides the kind.
+    ``import vllm.a.b`` without ``as`` binds ``vllm`` and is checked as a module only.
+    """
+    tree = ast.parse(source)
+    kinds: dict[tuple[str, str], str] = {}
+
+    def add(module: str, qualname: str, kind: str) -> None:
+        if kinds.get((module, qualname), "attribute") == "attribute":  # a call or a pair says more than a read
+            kinds[(module, qualname)] = kind
+
+    nodes = _source_order(ast.walk(tree))
+    called = {id(node.func) for node in nodes if isinstance(node, ast.Call)}
+    called_names = {node.func.id for node in nodes if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    bound: dict[str, set[tuple[str, str]]] = {}
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm":
+            for alias in node.names:
+                if alias.name == "*":
+                    continue
+                local = alias.asname or alias.name
+                kind = "class" if _class_shaped(alias.name) else "function" if local in called_names else "attribute"
+                add(node.module or "", alias.name, kind)
+                bound.setdefault(local, set()).add((node.module or "", alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "vllm":
+                    add(alias.name, "", "module")
+                    if alias.asname or alias.name == "vllm":
+                        bound.setdefault(alias.asname or "vllm", set()).add((alias.name, ""))
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) in ("import_module", "importlib.import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and node.args[0].value.split(".")[0] == "vllm"
+        ):
+            add(node.args[0].value, "", "module")
+    for stmt in tree.body:
+        if (
+            isinstance(stmt, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "TARGET" for t in stmt.targets)
+            and isinstance(stmt.value, ast.Constant)
+            and isinstance(stmt.value.value, str)
+        ):
+            for path in (p.strip() for p in stmt.value.value.split(",")):
+                if path.split(".")[0] == "vllm":
+                    module, qualname = _target(path)
+                    parts = qualname.split(".") if qualname else []
+                    add(module, qualname, "module" if not parts else "class" if len(parts) == 1 else "attribute")
+
+    def read(owner: ast.expr, attr: str, kind: str) -> None:
+        if not isinstance(owner, ast.Name) or owner.id not in bound:
+            return
+        for module, qualname in sorted(bound[owner.id]):
+            python_level = attr.startswith("__") and attr != "__version__"
+            if python_level or (attr in _DICT_METHODS and not _class_shaped(qualname.rsplit(".", 1)[-1])):
+                continue
+            member_kind = kind if kind == "attribute" else "method" if qualname else "function"
+            add(module, f"{qualname}.{attr}" if qualname else attr, member_kind)
+
+    for node in nodes:
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            read(node.value, node.attr, "method" if id(node) in called else "attribute")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                read(node.args[0], node.args[1].value, "attribute")
+        elif isinstance(node, ast.Tuple) and len(node.elts) == 2 and isinstance(node.elts[1], ast.Constant):
+            if isinstance(node.elts[1].value, str):
+                read(node.elts[0], node.elts[1].value, "method")
+    return [VllmSymbol(module, qualname, kind, used_by) for (module, qualname), kind in kinds.items()]
+
+
+def _declaration(tree: ast.Module) -> ast.expr | None:
+    for stmt in tree.body:
+        targets = (
+            stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == DECLARATION for t in targets):
+            return stmt.value
+    return None
+
+
+def declared_symbols(source: str, used_by: str) -> list[VllmSymbol]:
+    """The ``VLLM_SYMBOLS`` of one engine module's source (``my_pkg.engine.vllm_uses``), read with ``ast``."""
+    value = _declaration(ast.parse(source))
+    if value is None:
+        return []
+    problem = f"{used_by}: {DECLARATION} must be a tuple of symbol(...) and *attributes(...) with literal arguments"
+    if not isinstance(value, ast.Tuple):
+        raise ValueError(problem)
+    declared: list[Declared] = []
+    for element in value.elts:
+        call = element.value if isinstance(element, ast.Starred) else element
+        helper = call.func.id if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) else None
+        if helper not in _HELPERS or (helper == "attributes") != isinstance(element, ast.Starred):
+            raise ValueError(f"{problem}; found {ast.unparse(element)}")
+        assert isinstance(call, ast.Call)
+        try:
+            args = [ast.literal_eval(arg) for arg in call.args]
+            kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg is not None}
+            made = _HELPERS[helper](*args, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{problem}; {ast.unparse(element)}: {exc}") from exc
+        declared.extend((made,) if isinstance(made, Declared) else made)
+    return [VllmSymbol(d.module, d.qualname, d.kind, used_by, d.params, d.subclass_of, d.decorator) for d in declared]
+
+
+def unused_declarations(source: str, used_by: str) -> list[str]:
+    """Declared names the module's code (its ``VLLM_SYMBOLS`` left out) never mentions.
+
+    A name is used when it is read or written as ``.name``, is a whole string literal ``"name"``
+    (``getattr(x, "name")``, ``(Cls, "name")``, a table of field names), is matched by an f-string
+    (``f"{section}_config"``), or, for a class or function, is a name in the code; a module is used
+    when the module imports it or names it in a string.
+    """
+    tree = ast.parse(source)
+    declaration = _declaration(tree)
+    skip = {id(node) for node in ast.walk(declaration)} if declaration is not None else set()
+    words: set[str] = set()
+    modules: set[str] = set()
+    patterns: list[str] = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Attribute):
+            words.add(node.attr)
+        elif isinstance(node, ast.Name):
+            words.add(node.id)
+        elif isinstance(node, ast.alias):
+            words.add((node.asname or node.name).split(".")[0])
+            modules.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            words.add(node.value)
+            modules.update(p.strip() for p in node.value.split(","))
+        elif isinstance(node, ast.JoinedStr):
+            parts = [re.escape(v.value) if isinstance(v, ast.Constant) else r"\w+" for v in node.values]
+            if any(isinstance(v, ast.Constant) and v.value for v in node.values):
+                patterns.append("".join(parts))
+                skip.update(id(v) for v in node.values if isinstance(v, ast.Constant))
+    unused = []
+    for symbol_ in declared_symbols(source, used_by):
+        if symbol_.kind == "module":
+            used = symbol_.module in modules
+        else:
+            word = symbol_.qualname.rsplit(".", 1)[-1]
+            used = word in words or any(re.fullmatch(pattern, word) for pattern in patterns)
+        if not used:
+            unused.append(symbol_.name)
+    return unused
+
+
+def _merge(old: VllmSymbol, new: VllmSymbol, old_declared: bool, new_declared: bool) -> VllmSymbol:
+    """One entry for a name several modules use; a declaration's kind beats a derived one."""
+    kind = old.kind
+    if new_declared and old_declared and new.kind != old.kind:
+        raise ValueError(f"{new.name} is declared a {old.kind} by {old.used_by} and a {new.kind} by {new.used_by}")
+    if (new_declared and not old_declared) or (not old_declared and kind == "attribute"):
+        kind = new.kind
+    constraints = {}
+    for field in ("params", "subclass_of", "decorator"):
+        mine, theirs = getattr(old, field), getattr(new, field)
+        if mine and theirs and mine != theirs:
+            raise ValueError(f"{new.name}: {field} {mine!r} ({old.used_by}) and {theirs!r} ({new.used_by}) differ")
+        constraints[field] = mine or theirs
+    used_by = old.used_by.split(", ")
+    used_by += [path for path in new.used_by.split(", ") if path not in used_by]
+    return VllmSymbol(old.module, old.qualname, kind, ", ".join(used_by), **constraints)
+
+
+def engine_symbols(engine_dir: Path = ENGINE_DIR) -> tuple[VllmSymbol, ...]:
+    """Every module's derived and declared vLLM names, one entry per name, in file then source order."""
+    merged: dict[tuple[str, str], tuple[VllmSymbol, bool]] = {}
+    for path in sorted(engine_dir.rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        used_by = path.relative_to(engine_dir.parent).as_posix()
+        for declared, found in ((False, derived_symbols(source, used_by)), (True, declared_symbols(source, used_by))):
+            for new in found:
+                key = (new.module, new.qualname)
+                if key not in merged:
+                    merged[key] = (new, declared)
+                else:
+                    old, old_declared = merged[key]
+                    merged[key] = (_merge(old, new, old_declared, declared), old_declared or declared)
+    return tuple(symbol_ for symbol_, _ in merged.values())
+
+
+#: Every vLLM symbol the engine half (``my_pkg/engine``) touches: what each module imports (derived by
+#: ``derived_symbols``) and what it declares in its ``VLLM_SYMBOLS`` (``my_pkg.engine.vllm_uses``).
+ENGINE_SYMBOLS: tuple[VllmSymbol, ...] = engine_symbols()
 
 
 # ---- the sources of one vLLM distribution -------------------------------------------------------

@@ -40,6 +40,27 @@ from my_pkg.contract import (
 )
 from my_pkg.engine.admin_state import AdminLedger, ledger_of
 from my_pkg.engine.jsonable import plain, redacted_section
+from my_pkg.engine.vllm_uses import attributes
+
+#: What these methods read on the vLLM worker they are attached to, and on its runner and configs
+#: (`my_pkg.devtools.compat` checks them; `import vllm` and `vllm.__version__` it derives).
+VLLM_SYMBOLS = (
+    *attributes(
+        "vllm.v1.worker.worker_base:WorkerBase",
+        "rank",
+        "local_rank",
+        "device",
+        "model_runner",
+        "model_config",
+        "cache_config",
+        "parallel_config",
+        "scheduler_config",  # my_pkg_config reads f"{section}_config" for each of CONFIG_SECTIONS
+    ),
+    *attributes("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "kv_caches"),
+    *attributes("vllm.config:ParallelConfig", "world_size"),
+    *attributes("vllm.config:ModelConfig", "model", "dtype", "served_model_name", "max_model_len"),
+    *attributes("vllm.config:CacheConfig", "block_size", "num_gpu_blocks"),
+)
 
 
 def _rank(worker: Any) -> int:

@@ -3,7 +3,7 @@
 Verify: the target's verify and bonus rows, served by FlashHead under the V1 model runner
 (`patches/model_runner.py`). Draft: the drafter's head, always dense in this version. Each part
 has its own `reason_code` (`contract.SpecReasonCode`); FlashHead stays on for every other row.
-Imports the contract only; vLLM's config reaches it as a plain argument.
+Imports the contract (and the vLLM-free `vllm_uses` helper) only; vLLM's config reaches it as a plain argument.
 """
 
 from __future__ import annotations
@@ -11,6 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from my_pkg.contract import SPEC_REASON_CODES, SpecPart, SpecState
+from my_pkg.engine.vllm_uses import attributes
+
+#: Read on the `SpeculativeConfig` it is handed (`my_pkg.devtools.compat` checks them).
+VLLM_SYMBOLS = (
+    *attributes("vllm.config:SpeculativeConfig", "method", "num_speculative_tokens", "draft_sample_method"),
+)
 
 __all__ = ["MODEL_FREE_METHODS", "effective", "spec_state"]
 

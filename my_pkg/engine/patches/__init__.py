@@ -25,6 +25,11 @@ import logging
 from importlib import import_module
 from typing import Any
 
+from my_pkg.engine.vllm_uses import attributes
+
+#: Read on the vLLM config (`my_pkg.devtools.compat` checks it; the imports it derives).
+VLLM_SYMBOLS = (*attributes("vllm.config:VllmConfig", "use_v2_model_runner"),)
+
 logger = logging.getLogger(f"vllm.{__name__}")
 
 #: Applied by `my_pkg.engine.register()` in every process.

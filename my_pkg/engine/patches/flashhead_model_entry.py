@@ -13,6 +13,14 @@ from dataclasses import dataclass
 from torch import nn
 from vllm.model_executor.models.registry import _LazyRegisteredModel
 
+from my_pkg.engine.vllm_uses import symbol
+
+#: The subclass below stays a frozen dataclass and overrides `load_model_cls` (`my_pkg.devtools.compat`).
+VLLM_SYMBOLS = (
+    symbol("vllm.model_executor.models.registry:_LazyRegisteredModel", "class", decorator="dataclass(frozen=True)"),
+    symbol("vllm.model_executor.models.registry:_LazyRegisteredModel.load_model_cls", "method", params=("self",)),
+)
+
 
 @dataclass(frozen=True)
 class FlashHeadRegisteredModel(_LazyRegisteredModel):

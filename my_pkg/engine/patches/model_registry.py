@@ -11,7 +11,16 @@ the model) is also what registers the FlashHead logits processor
 
 from __future__ import annotations
 
+from my_pkg.engine.vllm_uses import attributes, symbol
+
 TARGET = "vllm.ModelRegistry"
+#: What `apply` relies on beyond its imports (`my_pkg.devtools.compat` checks it): `ModelRegistry` is an
+#: instance, and a registered entry is rebuilt from its two leading fields.
+VLLM_SYMBOLS = (
+    symbol("vllm:ModelRegistry", "attribute"),
+    symbol("vllm.model_executor.models.registry:_LazyRegisteredModel", "class", params=("module_name", "class_name")),
+    *attributes("vllm.model_executor.models.registry:_LazyRegisteredModel", "module_name", "class_name"),
+)
 PREFIX = "FlashHead"
 BASE_ARCHITECTURES = (
     "LlamaForCausalLM",

@@ -38,8 +38,39 @@ from my_pkg.engine.patches.runner_hooks import (
     union_stop_ids,
     warn_once,
 )
+from my_pkg.engine.vllm_uses import attributes, symbol
 
 TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner, vllm.v1.worker.gpu_input_batch.InputBatch"
+#: What the hooks rely on beyond their imports (`my_pkg.devtools.compat` checks it): the wrapped methods'
+#: leading parameters, and what is read on the batch, the requests, the runner and the speculative metadata.
+VLLM_SYMBOLS = (
+    symbol("vllm.v1.worker.gpu_input_batch:InputBatch.add_request", "method", params=("self", "request")),
+    symbol("vllm.v1.worker.gpu_input_batch:InputBatch.remove_request", "method", params=("self", "req_id")),
+    *attributes(
+        "vllm.v1.worker.gpu_input_batch:InputBatch", "num_reqs", "req_id_to_index", "temperature_cpu", "logitsprocs"
+    ),
+    *attributes("vllm.v1.worker.gpu_input_batch:CachedRequestState", "req_id", "sampling_params"),
+    *attributes("vllm.v1.sample.logits_processor.state:LogitsProcessors", "all"),
+    symbol("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor", "class"),
+    symbol("vllm.v1.sample.logits_processor.builtin:LogitBiasLogitsProcessor", "class"),
+    symbol("vllm.v1.sample.logits_processor.builtin:MinTokensLogitsProcessor", "class"),
+    symbol("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model", "method", params=("self",)),
+    symbol("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", "method", params=("self",)),
+    *attributes("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "input_batch", "speculative_config"),
+    symbol(
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._calc_spec_decode_metadata",
+        "method",
+        params=("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
+    ),
+    symbol(
+        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
+        "class",
+        subclass_of="vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+    ),
+    symbol("vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model", "method", params=("self",)),
+    *attributes("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "draft_token_ids"),
+    *attributes("vllm.config:SpeculativeConfig", "draft_sample_method"),
+)
 _DENSE_TABLE = "_my_pkg_dense_requests"
 _STOP_TABLE = "_my_pkg_stop_token_ids"
 _BUILTIN_LOGITS_PROCESSORS = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")

@@ -51,8 +51,32 @@ from my_pkg.engine.patches.runner_hooks import (
     union_stop_ids,
     warn_once,
 )
+from my_pkg.engine.vllm_uses import attributes, symbol
 
 TARGET = "vllm.v1.worker.gpu.model_runner.GPUModelRunner, vllm.v1.worker.gpu.sample.sampler.Sampler"
+#: What the hooks rely on beyond their imports (`my_pkg.devtools.compat` checks it): the wrapped methods'
+#: leading parameters, and what is read on the runner, the sampler, its slot states and the input batch.
+VLLM_SYMBOLS = (
+    symbol(
+        "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
+        "method",
+        params=("self", "hidden_states", "input_batch"),
+    ),
+    symbol("vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model", "method", params=("self",)),
+    *attributes("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "sampler", "batch_sharder", "speculative_config"),
+    symbol(
+        "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
+        "method",
+        params=("self", "req_idx", "sampling_params"),
+    ),
+    *attributes("vllm.v1.worker.gpu.sample.sampler:Sampler", "sampling_states", "logits_processors"),
+    *attributes("vllm.v1.worker.gpu.sample.states:SamplingStates", "max_num_reqs", "temperature"),
+    *attributes("vllm.v1.worker.gpu.buffer_utils:UvaBackedTensor", "np"),
+    *attributes("vllm.v1.worker.gpu.input_batch:InputBatch", "num_reqs", "idx_mapping_np", "cu_num_logits_np"),
+    symbol("vllm.v1.worker.gpu.sample.logit_bias:LogitBiasState", "class"),
+    symbol("vllm.v1.worker.gpu.sample.penalties:PenaltiesState", "class"),
+    symbol("vllm.v1.worker.gpu.sample.bad_words:BadWordsState", "class"),
+)
 _DENSE_TABLE = "_my_pkg_dense_slots"
 _STOP_TABLE = "_my_pkg_stop_token_ids"
 _BUILTIN_LOGITS_PROCESSORS = ("LogitBiasState", "PenaltiesState", "BadWordsState")
