@@ -2,8 +2,8 @@
 
 A request is classified once, when the model runner takes it in, from its own
 `SamplingParams` (`request_dense_reason`, `request_stop_ids`); the per-step hooks
-(`patches/runner_hooks.py`) turn those classes into a `StepRows`. Imports numpy
-and the contract only; vLLM objects reach it as plain arguments.
+(`patches/runner_hooks.py`) turn those classes into a `StepRows`. Imports numpy,
+the contract and the vLLM-free `vllm_uses` helper only; vLLM objects reach it as plain arguments.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from my_pkg.contract import DenseReason
+from my_pkg.engine.vllm_uses import attributes
 
 __all__ = [
     "DENSE_REQUEST_FIELDS",
@@ -77,6 +78,28 @@ FLASHHEAD_REQUEST_FIELDS = frozenset(
 )
 #: `vllm_xargs` key a request sets to false to be served by the dense head.
 OPT_OUT_ARG = "flashhead"
+#: The `SamplingParams` fields read by name here (`my_pkg.devtools.compat` checks them; a unit test keeps
+#: `DENSE_REQUEST_FIELDS` among them).
+VLLM_SYMBOLS = (
+    *attributes(
+        "vllm.sampling_params:SamplingParams",
+        "logprobs",
+        "logprob_token_ids",
+        "structured_outputs",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
+        "thinking_token_budget",
+        "watermarking",
+        "extra_args",
+        "stop_token_ids",
+        "all_stop_token_ids",
+        "temperature",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ),
+)
 
 
 def _request_fields(sampling_params: Any) -> tuple[str, ...]:

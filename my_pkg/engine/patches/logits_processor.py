@@ -30,9 +30,56 @@ import logging
 import os
 from typing import Any
 
+from my_pkg.engine.vllm_uses import attributes, symbol
+
 logger = logging.getLogger(f"vllm.{__name__}")
 
 TARGET = "vllm.model_executor.layers.logits_processor.LogitsProcessor"
+#: What the subclass and the controller's set-up rely on beyond their imports (`my_pkg.devtools.compat`
+#: checks it): vLLM's forward and helpers called with `self`, the configs read, the LM head and its shard.
+VLLM_SYMBOLS = (
+    symbol(
+        "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward",
+        "method",
+        params=("self", "lm_head", "hidden_states", "embedding_bias", "skip_gather"),
+    ),
+    symbol(
+        "vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
+        "method",
+        params=("self", "hidden_states", "lm_head", "embedding_bias", "skip_gather"),
+    ),
+    symbol(
+        "vllm.model_executor.layers.logits_processor:LogitsProcessor._gather_logits",
+        "method",
+        params=("self", "logits"),
+    ),
+    *attributes(
+        "vllm.model_executor.layers.logits_processor:LogitsProcessor",
+        "logits_as_input",
+        "org_vocab_size",
+        "soft_cap",
+        "scale",
+    ),
+    *attributes("vllm.config:VllmConfig", "model_config", "parallel_config", "speculative_config", "lora_config"),
+    *attributes("vllm.config:ModelConfig", "model", "dtype", "revision", "hf_config", "head_dtype"),
+    *attributes("vllm.config:ParallelConfig", "pipeline_parallel_size"),
+    *attributes("vllm.lora.layers.logits_processor:LogitsProcessorWithLoRA", "base_layer"),
+    *attributes(
+        "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding",
+        "quant_method",
+        "tp_size",
+        "shard_indices",
+    ),
+    *attributes(
+        "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbeddingShardIndices",
+        "org_vocab_start_index",
+        "org_vocab_end_index",
+        "num_org_elements",
+    ),
+    symbol("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod", "class"),
+    symbol("vllm.model_executor.layers.linear:UnquantizedLinearMethod", "class"),
+    symbol("vllm.tokenizers.registry:cached_tokenizer_from_config", "function", params=("model_config",)),
+)
 CONTROLLER_ATTR = "_my_pkg_flashhead"
 _subclass: type | None = None
 
