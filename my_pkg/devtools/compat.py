@@ -88,7 +88,7 @@ class VllmSymbol:
 #: The engine half whose vLLM symbols are checked; ``used_by`` paths are relative to its parent (``my_pkg``).
 ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"
 _HELPERS: dict[str, Callable[..., Declared | tuple[Declared, ...]]] = {"symbol": symbol, "attributes": attributes}
-#: Names every Python object answers to, never vLLM's (``WorkerBase.__dict__``, ``LogitsProcessor.__name__``).
+#: A dict's methods: read on a module-level dict (``op_registry_oot.get``), they are no vLLM names.
 _DICT_METHODS = frozenset(dir(dict))
 
 
@@ -108,7 +108,7 @@ def _source_order(nodes: Iterator[ast.AST]) -> list[ast.AST]:
 
 
 def derived_symbols(source: str, used_by: str) -> list[VllmSymbol]:
-    """The vLLM names one engine module's source shows, in source order.
+    """The vLLM names one engine module's source shows: imports, then ``TARGET``, then reads, each in source order.
 
     - ``from vllm.x import Y [as Z]`` and ``import vllm[.x] [as z]``, in any scope, and
       ``import_module("vllm.x")``; a module-level ``TARGET = "vllm.x.Cls, vllm.y.Other"``.
@@ -231,13 +231,14 @@ def unused_declarations(source: str, used_by: str) -> list[str]:
 
     A name is used when it is read or written as ``.name``, is a whole string literal ``"name"``
     (``getattr(x, "name")``, ``(Cls, "name")``, a table of field names), is matched by an f-string
-    (``f"{section}_config"``), or, for a class or function, is a name in the code; a module is used
-    when the module imports it or names it in a string.
+    (``f"{section}_config"``), or, for a module-level name (class, function, object), is also a name in the
+    code; a module is used when the module imports it or names it in a string.
     """
     tree = ast.parse(source)
     declaration = _declaration(tree)
     skip = {id(node) for node in ast.walk(declaration)} if declaration is not None else set()
-    words: set[str] = set()
+    words: set[str] = set()  # `.name`, "name"
+    names: set[str] = set()  # names bound or read in the code
     modules: set[str] = set()
     patterns: list[str] = []
     for node in ast.walk(tree):
@@ -246,9 +247,9 @@ def unused_declarations(source: str, used_by: str) -> list[str]:
         if isinstance(node, ast.Attribute):
             words.add(node.attr)
         elif isinstance(node, ast.Name):
-            words.add(node.id)
+            names.add(node.id)
         elif isinstance(node, ast.alias):
-            words.add((node.asname or node.name).split(".")[0])
+            names.add((node.asname or node.name).split(".")[0])
             modules.add(node.name)
         elif isinstance(node, ast.ImportFrom) and node.module:
             modules.add(node.module)
@@ -268,6 +269,8 @@ def unused_declarations(source: str, used_by: str) -> list[str]:
         else:
             word = symbol_.qualname.rsplit(".", 1)[-1]
             used = word in words or any(re.fullmatch(pattern, word) for pattern in patterns)
+            module_level = "." not in symbol_.qualname  # a class, a function, an object such as ModelRegistry
+            used = used or (module_level and word in names)
         if not used:
             unused.append(symbol_.name)
     return unused
@@ -497,7 +500,12 @@ class _Resolver:
                 annotated = annotated or _Found("attribute", module, stmt)
             if isinstance(stmt, ast.ImportFrom):
                 for alias in stmt.names:
-                    if (alias.asname or alias.name) == name:
+                    if alias.name == "*":  # `from .communication_op import *` (vllm.distributed)
+                        source = self._absolute(module, stmt.level, stmt.module)
+                        starred = self.module_member(source, name, hops + 1) if source.startswith("vllm") else None
+                        if starred is not None:
+                            return starred
+                    elif (alias.asname or alias.name) == name:
                         return self._imported(self._absolute(module, stmt.level, stmt.module), alias.name, hops)
             if isinstance(stmt, ast.Import):
                 for alias in stmt.names:
