@@ -1,6 +1,6 @@
 """The FlashHead two-stage LM head.
 
-Stage 1 scores the ``C`` cluster centroids (``hidden @ centroids.T``) and keeps ``P``
+Stage 1 scores the ``C`` cluster centroids (``hidden @ centroids.T``) and keeps the ``P`` best
 probes; stage 2 computes the exact logits of the ``P * cluster_size`` member rows of the
 probed clusters, reading them from the original head weight through the cluster map
 (no permuted copy of the head is made).
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .kernels import load_backend, resolve_backend, torch_ref
+from .probes import select_probes as top_probes
 from .staging import index_tensor
 from .tail_estimate import TailTables, build_tail_tables, default_tail_rank
 
@@ -270,11 +271,11 @@ class FlashHead:
         return hidden
 
     def select_probes(self, hidden: torch.Tensor, *, n_probes: int | None = None) -> torch.Tensor:
-        """``[B, P]`` cluster ids: the top-P centroid scores of each row (``P`` default ``n_probes``)."""
+        """``[B, P]`` cluster ids: the top-P centroid scores of each row (``P`` default ``n_probes``), best
+        first, the smaller id first on equal scores (:mod:`~my_pkg.flashhead.probes`)."""
         hidden = self._check_hidden(hidden)
         p = self._n_probes if n_probes is None else self._check_probes(n_probes)
-        scores = torch_ref.stage1_scores(hidden, self.centroids)
-        return torch_ref.select_probes(scores, p)
+        return top_probes(torch_ref.stage1_scores(hidden, self.centroids), p)
 
     def candidate_logits(
         self, hidden: torch.Tensor, probes: torch.Tensor | None = None, **select_kw
@@ -294,6 +295,7 @@ class FlashHead:
         sampled: torch.Tensor | np.ndarray | None = None,
         pinned: torch.Tensor | None = None,
         postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        probes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, vocab_size]`` logits of one decode step, as serving hands them to the sampler.
 
@@ -309,6 +311,11 @@ class FlashHead:
             pinned: int64 token ids on the head's device, scored exactly on every row.
             postprocess: the model's logit scale / soft-cap, applied to every finite value
                 (candidates, estimates, pinned), never to ``-inf``.
+            probes: ``[B, K]`` int64 cluster ids on the head's device, each row's best first, chosen by
+                the caller instead of stage 1 (:meth:`probe_width` columns at least; a greedy row probes
+                its first ``n_probes``, a sampled row its first ``sampled_n_probes``).  Tensor
+                parallelism passes the probes the ranks chose together from their shares of the
+                centroids (:mod:`~my_pkg.flashhead.probes`); the same probes give the same logits.
 
         Deterministic (same rows, same logits) and without host synchronisation, except on the
         first sampled row, which builds the estimate's tables once.
@@ -316,21 +323,25 @@ class FlashHead:
         hidden = self._check_hidden(hidden)
         num_rows = hidden.shape[0]
         post = postprocess if postprocess is not None else _identity
-        scores = torch_ref.stage1_scores(hidden, self.centroids)
         mask = _host_mask(sampled, num_rows)
         if mask is not None and not mask.any():
             mask = None
+        width = self.probe_width(mask is not None and bool(mask.all()), mask is not None)
+        if probes is None:
+            probes = top_probes(torch_ref.stage1_scores(hidden, self.centroids), width)
+        elif probes.dim() != 2 or probes.shape[0] != num_rows or probes.shape[1] < width:
+            raise ValueError(f"probes must be [{num_rows}, >= {width}], got {tuple(probes.shape)}")
         if mask is None or mask.all() or self.sampled_n_probes == self._n_probes:
             # One pass: every row probes the same number of clusters (by default sampled rows probe
             # as many as greedy rows), only the logits outside the candidates differ.
-            logits = self._rows_logits(hidden, scores, mask, post)
+            logits = self._rows_logits(hidden, probes[:, :width], mask, post)
         else:
             logits = torch.empty((num_rows, self.vocab_size), dtype=self.weight.dtype, device=hidden.device)
             for rows_sampled in (False, True):
                 index = index_tensor(np.flatnonzero(mask == rows_sampled), hidden.device)
                 part = self._rows_logits(
                     hidden.index_select(0, index),
-                    scores.index_select(0, index),
+                    probes.index_select(0, index)[:, : self.sampled_n_probes if rows_sampled else self._n_probes],
                     np.ones(index.numel(), bool) if rows_sampled else None,
                     post,
                 )
@@ -342,18 +353,23 @@ class FlashHead:
             )
         return logits
 
+    def probe_width(self, all_sampled: bool, any_sampled: bool) -> int:
+        """Clusters :meth:`step_logits` needs chosen per row for a batch whose rows all sample, or some:
+        ``sampled_n_probes`` for sampled rows, ``n_probes`` for greedy ones, the larger for a mixed batch."""
+        if all_sampled:
+            return self.sampled_n_probes
+        return max(self._n_probes, self.sampled_n_probes) if any_sampled else self._n_probes
+
     def _rows_logits(
         self,
         hidden: torch.Tensor,
-        scores: torch.Tensor,
+        probes: torch.Tensor,
         sampled: np.ndarray | None,
         post: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """Step logits before the pinned ids; ``sampled`` marks the sampled rows (None: none).  Probes
-        ``sampled_n_probes`` clusters when every row samples, else ``n_probes``; the two are equal, or
-        the caller splits the batch."""
+        """Step logits before the pinned ids, each row probing the clusters ``probes``; ``sampled`` marks the
+        sampled rows (None: none)."""
         all_sampled = sampled is not None and bool(sampled.all())
-        probes = torch_ref.select_probes(scores, self.sampled_n_probes if all_sampled else self._n_probes)
         ids, exact = self._kernels().candidate_logits(
             hidden, self.weight, self.members, probes, token_cluster=self._token_cluster
         )

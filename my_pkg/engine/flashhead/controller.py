@@ -9,10 +9,14 @@ or a worker). Its life, in order:
 2. `prepare(weight)`: right after vLLM loaded the weights, builds the head over the loaded LM head
    (shared, not copied), its sampled-row tables and kernels, so that vLLM's KV-cache sizing counts
    their memory (`bind` + `warm_up`; the first logits call does it when the load hook could not).
+   Under tensor parallelism the head covers this rank's vocabulary shard and `stage1` this rank's
+   share of the centroids (`my_pkg.flashhead.probes.ShardStage1`).
 3. Each decode step: the model runner arms it with the step's rows (`arm`, `StepRows`), and
    `compute_logits` serves every row that may use FlashHead with `FlashHead.step_logits` (exact
    candidate logits and -inf elsewhere for greedy rows, estimates elsewhere for sampled rows,
-   exact logits for the pinned ids) and the other rows with vLLM's dense logits.
+   exact logits for the pinned ids) and the other rows with vLLM's dense logits. Under tensor
+   parallelism the logits processor first exchanges each rank's best clusters (`exchange_width`,
+   `stage1_keys`) and `compute_logits` probes the clusters chosen from all of them.
 4. The admin API: `status()` (a `FlashHeadState`), `validate(update)` and `apply(update)` (a
    `FlashHeadUpdate`; the contract already checked its types, this checks what the model decides).
 
@@ -38,10 +42,16 @@ from my_pkg.engine.flashhead.pins import PinnedRows
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.spec import effective as effective_spec
 from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer
+from my_pkg.flashhead.probes import NO_KEY, ShardStage1, merge_probes
 from my_pkg.flashhead.settings import default_settings
 from my_pkg.flashhead.staging import index_tensor
 
 __all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller"]
+
+#: Reasons a controller can be unavailable on some ranks of a tensor-parallel model and not others (the
+#: rest come from the configuration or the head's type, the same on every rank): such a rank still
+#: takes part in the stage-1 exchange, so that no other rank waits for it.
+_RANK_LOCAL_CODES = frozenset({"build_failed", "warm_up_failed"})
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -74,6 +84,7 @@ class FlashHeadController:
         self._warned: set[str] = set()
         self.head: Any = None
         self.vocab_range: tuple[int, int] | None = None  # this rank's vocabulary shard under tensor parallelism
+        self.stage1: ShardStage1 | None = None  # this rank's share of the centroids under tensor parallelism
         self.spec: SpecState | None = None  # speculative decoding's parts (`flashhead/spec.py`), set by its maker
         self._centroids = centroids
         self._assignments = assignments
@@ -145,23 +156,35 @@ class FlashHeadController:
             self.unavailable_code, self.unavailable_reason = code, reason
             logger.warning("my_pkg: FlashHead not active, dense head in use: %s", reason)
 
-    def prepare(self, weight: torch.Tensor, vocab_range: tuple[int, int] | None = None) -> None:
+    def prepare(
+        self,
+        weight: torch.Tensor,
+        vocab_range: tuple[int, int] | None = None,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
         """Build the head over the loaded `weight` and warm it up on zero rows (kernels, sampled-row
         tables): called right after vLLM loads the weights, so its memory is counted before vLLM
         sizes the KV cache. Never raises; a failure leaves the model dense with its reason."""
         if self.head is not None or not self.available:
             return
-        self.bind(weight, vocab_range)
+        self.bind(weight, vocab_range, shard)
         if self.head is not None:
             self.warm_up(torch.zeros((2, weight.shape[1]), dtype=weight.dtype, device=weight.device))
 
-    def bind(self, weight: torch.Tensor, vocab_range: tuple[int, int] | None = None) -> None:
+    def bind(
+        self,
+        weight: torch.Tensor,
+        vocab_range: tuple[int, int] | None = None,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
         """Build the head over `weight` (the loaded LM head, shared, not copied).
 
         Under tensor parallelism `weight` is this rank's shard of vLLM's vocab-parallel head, whose
-        rows are the tokens `vocab_range = (start, end)`: the head scores only the candidates in that
-        range (the probes are the same on every rank: the centroids are global), and its logits are
-        this shard's columns, which vLLM's gather puts together.
+        rows are the tokens `vocab_range = (start, end)`, and `shard = (rank, world_size)` names the
+        rank: `stage1` scores this rank's share of the global centroids (a view of the head's, no
+        copy), the ranks choose the probes together from their shares (the same probes on every rank),
+        the head scores only the candidates in its range, and its logits are this shard's columns,
+        which vLLM's gather puts together.
         """
         if self.head is not None or not self.available:
             return
@@ -176,9 +199,12 @@ class FlashHeadController:
                 raise ValueError(
                     f"centroids have hidden size {self._centroids.shape[1]}, the head has {weight.shape[1]}"
                 )
+            centroids = self._centroids.to(device=weight.device, dtype=weight.dtype).contiguous()
+            if shard is not None:  # first, so that this rank still scores its share if the head fails below
+                self.stage1 = ShardStage1(centroids, *shard)
             self.head = FlashHead(
                 weight,
-                self._centroids.to(device=weight.device, dtype=weight.dtype),
+                centroids,
                 self._assignments[start:end].to(device=weight.device),
                 vocab_size=end - start,
                 allow_empty_clusters=vocab_range is not None,
@@ -238,6 +264,11 @@ class FlashHeadController:
     def disarm(self) -> None:
         self._step_source = None
 
+    @property
+    def armed(self) -> bool:
+        """Whether the next logits call is an armed decode step (the same on every rank of a step)."""
+        return self._step_source is not None
+
     def take_step(self) -> StepRows | None:
         """The rows of the armed step, once; None for any other logits call."""
         source, self._step_source = self._step_source, None
@@ -250,17 +281,58 @@ class FlashHeadController:
             self.counters.steps += 1
             self.counters.rows_dense[reason] += num_rows
 
+    # ---- tensor parallelism: stage 1 split over the ranks -----------------------------------
+
+    def exchange_width(self) -> int | None:
+        """Keys each rank sends per row in an armed step's stage-1 exchange, or None when this model's
+        steps exchange nothing (FlashHead disabled, or off on every rank for a reason of the
+        configuration). Read from the settings and the assets only, which every rank holds alike (the
+        admin API updates all ranks between steps), never from this rank's head or the step's rows:
+        every rank of a step gets the same answer, so all of them or none reach the collective, with
+        the same shape. The width covers both kinds of rows: greedy rows probe `n_probes`, sampled
+        rows `sampled_n_probes`."""
+        if not self.settings.enabled or self.num_clusters is None:
+            return None
+        if not self.available and self.unavailable_code not in _RANK_LOCAL_CODES:
+            return None
+        width = self.settings.n_probes
+        if self.settings.probe_sampling and self.settings.sampled_n_probes is not None:
+            width = max(width, self.settings.sampled_n_probes)
+        return min(width, self.num_clusters)
+
+    def stage1_keys(self, hidden: torch.Tensor, width: int) -> tuple[torch.Tensor, bool]:
+        """`([rows, width] int64 keys, scored)`: this rank's best clusters of its share of the centroids
+        (`ShardStage1.keys`), to be exchanged. Never raises: when its share cannot be scored the keys
+        rank this share's clusters below every scored one (`scored` False; the failure is counted and
+        this rank serves its shard dense), so the exchange keeps its shape and no rank waits."""
+        num_rows = int(hidden.shape[0])
+        try:
+            if self.stage1 is None:
+                raise RuntimeError("this rank's share of the centroids was not built")
+            return self.stage1.keys(hidden, width), True
+        except Exception as exc:  # noqa: BLE001 - the exchange must happen whatever fails here
+            self.record_fallback(exc, num_rows)
+        try:
+            if self.stage1 is not None:
+                return self.stage1.unscored_keys(num_rows, width), False
+        except Exception:  # noqa: BLE001
+            pass
+        return torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), False
+
     def compute_logits(
         self,
         hidden: torch.Tensor,
         rows: StepRows,
         dense: Callable[[torch.Tensor], torch.Tensor],
         postprocess: Callable[[torch.Tensor], torch.Tensor],
+        exchanged: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits `[rows, vocab]` for one decode step, without making the host wait for the device.
 
         `dense` computes vLLM's own logits for some rows; `postprocess` applies
-        the model's logit scale/soft-cap to the finite logits FlashHead makes.
+        the model's logit scale/soft-cap to the finite logits FlashHead makes. Under tensor
+        parallelism `exchanged` (`[rows, tp * width]`) holds every rank's `stage1_keys` of this step:
+        the FlashHead rows probe the best of them (`merge_probes`), as the full stage 1 would.
         """
         num_rows = hidden.shape[0]
         self.counters.steps += 1
@@ -291,10 +363,18 @@ class FlashHeadController:
             flash_hidden, sampled = hidden.index_select(0, flash_index), sampled[flash_rows]
         # What vLLM's sampler gets (the eval measures the same call): candidates, estimated logits
         # for sampled rows, then every pinned id (EOS, specials, the step's stop ids) exact.
+        probes = None
+        if exchanged is not None:
+            keys = exchanged if flash_index is None else exchanged.index_select(0, flash_index)
+            width = self.exchange_width()
+            if width is None:
+                raise RuntimeError("keys were exchanged on a step without a stage-1 exchange")
+            probes = merge_probes(keys, width, self.head.num_clusters)
         flash_logits = self.head.step_logits(
             flash_hidden,
             sampled=sampled if self.settings.probe_sampling else None,
             postprocess=postprocess,
+            probes=probes,
         )
         assert self._pins is not None
         self._pins.score(flash_logits, flash_hidden, self._pins.get(rows.stop_ids, self.head.weight), postprocess)

@@ -15,9 +15,38 @@ The subclass's constructor makes the model's `FlashHeadController` (reading its
 assets and the tokenizer's stop and special ids); the runner hooks build its head
 right after the weights load (`build_head`), or the first logits call does.
 
-Under tensor parallelism each rank's head covers its vocabulary shard
-(`_sharded_step`): FlashHead scores the candidates in that shard and vLLM's own
-gather joins the shards, reached exactly once per step on every rank.
+Under tensor parallelism each rank's head covers its vocabulary shard and its
+share of the centroids (`_sharded_step`). Stage 1 is split: each rank scores its
+`C / tp` centroids and keeps its best `K` clusters as keys (score, then cluster
+id: `my_pkg.flashhead.probes`), one all-gather over the TP group exchanges them
+(`[B, tp * K]` int64), and every rank takes the best `P` of the same gathered
+keys: the probes the full stage 1 would choose, the same on every rank. Each rank
+then scores the candidates in its vocabulary shard, and vLLM's own gather joins
+the shards.
+
+Both collectives are reached exactly once per armed step on every rank, failures
+included, because whether and with which shape a rank reaches them never depends
+on anything that can differ between ranks:
+
+- vLLM's gather: every path of a step ends in it (a failure before it serves the
+  rank's shard dense), as vLLM's own forward does.
+- The stage-1 exchange happens on a step iff it is an armed decode step (the
+  model runner arms every rank for the same scheduler output) and
+  `FlashHeadController.exchange_width()` is not None: settings and assets,
+  alike on every rank. Its shape is `[B, width]`: the step's rows and that width.
+  It comes before anything that can fail on one rank only: reading the step's
+  rows, building the head, the stage-1 scores and the step's dense reasons are
+  all decided around it, never whether it happens. A rank that cannot score its
+  share still sends keys (its clusters ranked below every scored one,
+  `stage1_keys`), then serves its own shard dense; the other ranks choose their
+  probes from the clusters that were scored (with every cluster probed: all of
+  them). Making all ranks go dense on one rank's failure would need that failure
+  on every rank's host: a device-to-host read after the exchange (a host
+  synchronisation every step) or a second collective; a failing rank's shard
+  served dense beside the others' FlashHead shards is what a failure in stage 2
+  already gave, and is counted the same way (`fallbacks`).
+- Steps that are not armed (warm-up, prompt logprobs) and wrapped heads (LoRA)
+  take vLLM's own forward on every rank, without an exchange.
 
 `forward` may be called with another `self` than our instance: vLLM's LoRA
 wrapper calls `type(base_layer).forward(wrapper, ...)`. Such calls always go to
@@ -68,6 +97,7 @@ VLLM_SYMBOLS = (
         "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding",
         "quant_method",
         "tp_size",
+        "tp_rank",
         "shard_indices",
     ),
     *attributes(
@@ -198,11 +228,12 @@ def build_head(controller: Any, lm_head: Any) -> None:
             "quantized_head", f"the LM head is quantized ({type(lm_head.quant_method).__name__}); dense head in use"
         )
         return
-    vocab_range = None
+    vocab_range = shard = None
     if getattr(lm_head, "tp_size", 1) > 1:
-        shard = lm_head.shard_indices
-        vocab_range = (int(shard.org_vocab_start_index), int(shard.org_vocab_end_index))
-    controller.prepare(lm_head.weight, vocab_range=vocab_range)
+        indices = lm_head.shard_indices
+        vocab_range = (int(indices.org_vocab_start_index), int(indices.org_vocab_end_index))
+        shard = (int(lm_head.tp_rank), int(lm_head.tp_size))
+    controller.prepare(lm_head.weight, vocab_range=vocab_range, shard=shard)
 
 
 def _is_plain_weight(lm_head: Any) -> bool:
@@ -265,6 +296,8 @@ def subclass() -> type:
             if wrapper is not None:
                 controller.serve_step_dense(int(hidden_states.shape[0]), wrapper)
                 return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
+            sharded = getattr(lm_head, "tp_size", 1) > 1
+            armed = controller.armed  # read before `take_step` consumes it; the same on every rank
             try:
                 if controller.head is None and controller.available:
                     build_head(controller, lm_head)  # the runner's load hook did not (see runner_hooks)
@@ -277,10 +310,12 @@ def subclass() -> type:
             except Exception as exc:  # noqa: BLE001 - FlashHead must never take the engine down
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
                 rows = None
+            if sharded:
+                width = controller.exchange_width() if armed else None
+                if width is not None or rows is not None:
+                    return self._sharded_step(controller, lm_head, hidden_states, rows, width)
             if rows is None:  # warm-up, prompt logprobs, drafter: vLLM's own head
                 return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
-            if getattr(lm_head, "tp_size", 1) > 1:
-                return self._sharded_step(controller, lm_head, hidden_states, rows)
             try:
 
                 def dense(rows_hidden):
@@ -291,11 +326,13 @@ def subclass() -> type:
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
                 return vllm_forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
 
-        def _sharded_step(self, controller, lm_head, hidden_states, rows):
-            """A decode step over vLLM's vocab-parallel head: this rank's vocabulary shard, then the gather.
+        def _sharded_step(self, controller, lm_head, hidden_states, rows, width):
+            """A decode step over vLLM's vocab-parallel head: the stage-1 exchange when `width` is not None,
+            this rank's vocabulary shard, then the gather (see the module docstring).
 
-            Every rank reaches the gather exactly once whatever happens before it (a failure here
-            serves this rank's shard dense), as vLLM's own forward does.
+            Every rank reaches each collective exactly once whatever happens around it (a failure here
+            serves this rank's shard dense), as vLLM's own forward does. `rows` is None when this rank
+            could not read the step's rows (counted): its shard is served dense.
             """
             import torch
 
@@ -304,8 +341,16 @@ def subclass() -> type:
             def dense_local(rows_hidden):
                 return self._postprocess(self._get_logits(rows_hidden, lm_head, None, skip_gather=True)[:, :num_org])
 
+            exchanged, scored = None, True
+            if width is not None:
+                exchanged, scored = self._exchange_stage1(controller, hidden_states, width)
             try:
-                local = controller.compute_logits(hidden_states, rows, dense_local, self._postprocess)
+                if rows is None or not scored:
+                    local = dense_local(hidden_states)
+                else:
+                    local = controller.compute_logits(
+                        hidden_states, rows, dense_local, self._postprocess, exchanged=exchanged
+                    )
             except Exception as exc:  # noqa: BLE001
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
                 local = dense_local(hidden_states)
@@ -314,6 +359,20 @@ def subclass() -> type:
                 local = torch.nn.functional.pad(local, (0, padding), value=float("-inf"))
             logits = self._gather_logits(local)
             return logits[..., : self.org_vocab_size] if logits is not None else None
+
+        @staticmethod
+        def _exchange_stage1(controller, hidden_states, width):
+            """`(gathered keys [B, tp * width] or None, scored)`: the stage-1 exchange, one all-gather over the TP
+            group, reached once by every rank of an armed step. `scored` is False when this rank could not
+            score its share, or the exchange failed (counted): its shard is then served dense."""
+            from vllm.distributed import tensor_model_parallel_all_gather
+
+            keys, scored = controller.stage1_keys(hidden_states, width)
+            try:
+                return tensor_model_parallel_all_gather(keys, dim=-1), scored
+            except Exception as exc:  # noqa: BLE001 - e.g. a communicator that refuses int64
+                controller.record_fallback(exc, int(hidden_states.shape[0]))
+                return None, False
 
     _subclass = FlashHeadLogitsProcessor
     return _subclass

@@ -1,11 +1,17 @@
-"""FlashHead over a vocab-parallel head: each rank scores its own shard, vLLM's gather joins them.
+"""FlashHead over a vocab-parallel head: each rank scores its share of the centroids, the ranks exchange
+their best clusters, each scores the candidates in its own shard, vLLM's gather joins them.
 
-Two ranks are simulated in one process: each has its own processor, controller and
-weight shard, and the gather is replaced by recording the rank's local logits.
+Two ranks are simulated in one process, as two threads: each has its own processor, controller and
+weight shard; the stage-1 exchange is an all-gather between the threads (a barrier that times out if a
+rank never reaches it), and vLLM's gather is replaced by recording the rank's local logits. vLLM's real
+TP group runs in `test_tp_gloo.py`.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,6 +42,34 @@ def vllm_config():
         yield
 
 
+class ThreadGroup:
+    """The TP group's all-gather between ranks that are threads of this process; counts each rank's calls."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=20)
+        self.local = threading.local()
+        self.parts: dict[int, torch.Tensor] = {}
+        self.calls: Counter[int] = Counter()
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        rank = self.local.rank
+        self.calls[rank] += 1
+        self.parts[rank] = tensor
+        self.barrier.wait()
+        gathered = torch.cat([self.parts[r] for r in range(len(self.parts))], dim=dim)
+        self.barrier.wait()
+        return gathered
+
+
+@pytest.fixture(autouse=True)
+def group(monkeypatch):
+    import vllm.distributed
+
+    group = ThreadGroup(2)
+    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_gather", group.all_gather)
+    return group
+
+
 @pytest.fixture
 def weight():
     torch.manual_seed(0)
@@ -50,13 +84,13 @@ def _ranks(weight, n_probes, pinned_ids=()):
     assignments = ASSIGNMENTS
     centroids = torch.stack([weight[assignments == c].mean(0) for c in range(CLUSTERS)])
     ranks = []
-    for start in (0, SHARD):
+    for rank, start in enumerate((0, SHARD)):
         end = min(start + SHARD, VOCAB)
         rows = torch.zeros(SHARD, HIDDEN)
         rows[: end - start] = weight[start:end]
         shard = SimpleNamespace(org_vocab_start_index=start, org_vocab_end_index=end, num_org_elements=end - start)
         lm_head = SimpleNamespace(
-            weight=rows, quant_method=UnquantizedEmbeddingMethod(), tp_size=2, shard_indices=shard
+            weight=rows, quant_method=UnquantizedEmbeddingMethod(), tp_size=2, tp_rank=rank, shard_indices=shard
         )
         processor = logits_processor.subclass()(VOCAB)
         processor._my_pkg_flashhead = FlashHeadController(
@@ -72,39 +106,63 @@ def _ranks(weight, n_probes, pinned_ids=()):
     return ranks
 
 
-def _step(ranks, hidden, sampled=None):
-    """One decode step on both ranks; the gathered logits `[B, VOCAB]`."""
+def _on_ranks(group, ranks, call):
+    """`call(rank, processor, lm_head)` on every rank at once, each in its own thread."""
+
+    def run(rank):
+        group.local.rank = rank
+        processor, lm_head, _ = ranks[rank]
+        return call(rank, processor, lm_head)
+
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        return list(pool.map(run, range(len(ranks))))
+
+
+def _step(group, ranks, hidden, sampled=None, source=None):
+    """One armed decode step on both ranks; the gathered logits `[B, VOCAB]`. `source(rank, rows)` may replace
+    a rank's step rows."""
     num_rows = hidden.shape[0]
-    for processor, lm_head, _gathered in ranks:
-        rows = StepRows(
-            np.zeros(num_rows, np.uint8), np.zeros(num_rows, bool) if sampled is None else np.asarray(sampled)
-        )
-        processor._my_pkg_flashhead.arm(lambda rows=rows: rows)
-        assert processor(lm_head, hidden) is None  # this rank's logits went to the gather
+    rows = StepRows(np.zeros(num_rows, np.uint8), np.zeros(num_rows, bool) if sampled is None else np.asarray(sampled))
+
+    def call(rank, processor, lm_head):
+        processor._my_pkg_flashhead.arm(lambda: rows if source is None else source(rank, rows))
+        return processor(lm_head, hidden)
+
+    assert _on_ranks(group, ranks, call) == [None, None]  # each rank's logits went to the gather
     return torch.cat([gathered.pop() for _, _, gathered in ranks], dim=1)[:, :VOCAB]
 
 
-def test_the_head_is_built_on_the_first_logits_call_over_each_rank_shard(weight):
+def _build(group, ranks, hidden):
+    """vLLM's warm-up call (not a decode step) on both ranks: the heads get built."""
+    _on_ranks(group, ranks, lambda rank, processor, lm_head: processor(lm_head, hidden))
+    for _, _, gathered in ranks:
+        gathered.clear()
+
+
+def test_the_head_is_built_on_the_first_logits_call_over_each_rank_shard(group, weight):
     ranks = _ranks(weight, n_probes=2)
-    hidden = torch.randn(3, HIDDEN)
-    for processor, lm_head, _ in ranks:  # vLLM's warm-up call: not a decode step, but the head gets built
+    _build(group, ranks, torch.randn(3, HIDDEN))  # vLLM's warm-up call: not a decode step, but the head gets built
+    for processor, _, _ in ranks:
         controller = processor._my_pkg_flashhead
-        processor(lm_head, hidden)
         assert controller.head is not None and controller.status().active is True
         assert controller.counters.steps == 0
     assert [p._my_pkg_flashhead.vocab_range for p, _, _ in ranks] == [(0, SHARD), (SHARD, VOCAB)]
+    shares = [(p._my_pkg_flashhead.stage1.start, p._my_pkg_flashhead.stage1.end) for p, _, _ in ranks]
+    assert shares == [(0, CLUSTERS // 2), (CLUSTERS // 2, CLUSTERS)]
+    assert group.calls == {}  # no exchange outside decode steps
 
 
-def test_every_cluster_probed_gives_the_dense_logits(weight):
+def test_every_cluster_probed_gives_the_dense_logits(group, weight):
     hidden = torch.randn(4, HIDDEN)
-    logits = _step(_ranks(weight, n_probes=CLUSTERS), hidden)
+    logits = _step(group, _ranks(weight, n_probes=CLUSTERS), hidden)
     torch.testing.assert_close(logits, hidden @ weight.T)
+    assert group.calls == {0: 1, 1: 1}
 
 
-def test_few_probes_score_the_same_clusters_on_both_ranks_exactly(weight):
+def test_few_probes_score_the_same_clusters_on_both_ranks_exactly(group, weight):
     hidden = torch.randn(4, HIDDEN)
     ranks = _ranks(weight, n_probes=2, pinned_ids=(VOCAB - 1,))
-    logits = _step(ranks, hidden)
+    logits = _step(group, ranks, hidden)
     dense = hidden @ weight.T
     finite = torch.isfinite(logits)
     torch.testing.assert_close(logits[finite], dense[finite])
@@ -119,24 +177,111 @@ def test_few_probes_score_the_same_clusters_on_both_ranks_exactly(weight):
         assert processor._my_pkg_flashhead.counters.rows_flashhead == 4
 
 
-def test_a_failing_rank_serves_its_shard_dense_and_still_reaches_the_gather(weight, monkeypatch):
+def _broken(*args, **kwargs):
+    raise RuntimeError("boom")
+
+
+def test_a_rank_failing_in_stage_2_serves_its_shard_dense_and_still_reaches_both_collectives(
+    group, weight, monkeypatch
+):
     hidden = torch.randn(2, HIDDEN)
     ranks = _ranks(weight, n_probes=1)
-    _step(ranks, hidden)  # builds the heads
+    _build(group, ranks, hidden)
     controller = ranks[1][0]._my_pkg_flashhead
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(controller.head, "step_logits", broken)
-    logits = _step(ranks, hidden)
+    monkeypatch.setattr(controller.head, "step_logits", _broken)
+    logits = _step(group, ranks, hidden)
     torch.testing.assert_close(logits[:, SHARD:], (hidden @ weight.T)[:, SHARD:])  # rank 1: dense
     assert not torch.isfinite(logits[:, :SHARD]).all()  # rank 0: still FlashHead
     assert controller.counters.fallbacks == 1
+    assert group.calls == {0: 1, 1: 1}
 
 
-def test_sampled_rows_get_estimates_on_every_shard(weight):
+def test_a_rank_failing_in_stage_1_still_exchanges_and_the_other_probes_the_scored_clusters(group, weight, monkeypatch):
+    hidden = torch.randn(3, HIDDEN)
+    ranks = _ranks(weight, n_probes=2)
+    _build(group, ranks, hidden)
+    failing = ranks[1][0]._my_pkg_flashhead
+    monkeypatch.setattr(failing.stage1, "keys", _broken)
+    logits = _step(group, ranks, hidden)
+    assert group.calls == {0: 1, 1: 1}
+    dense = hidden @ weight.T
+    torch.testing.assert_close(logits[:, SHARD:], dense[:, SHARD:])  # rank 1: its shard dense
+    assert failing.counters.fallbacks == 1 and ranks[0][0]._my_pkg_flashhead.counters.fallbacks == 0
+    head = ranks[0][0]._my_pkg_flashhead.head
+    scored = head.centroids[: CLUSTERS // 2]  # rank 0's share: rank 1's clusters ranked last
+    probes = torch.topk(hidden @ scored.T, 2, dim=1).indices
+    for row in range(hidden.shape[0]):
+        members = torch.nonzero(torch.isin(ASSIGNMENTS[:SHARD], probes[row])).flatten()
+        assert set(torch.nonzero(torch.isfinite(logits[row, :SHARD])).flatten().tolist()) == set(members.tolist())
+
+
+def test_a_rank_failing_to_read_the_step_rows_still_exchanges_once(group, weight):
     hidden = torch.randn(2, HIDDEN)
-    logits = _step(_ranks(weight, n_probes=1), hidden, sampled=[True, False])
+    ranks = _ranks(weight, n_probes=CLUSTERS)
+
+    def source(rank, rows):
+        if rank == 1:
+            raise RuntimeError("rows")
+        return rows
+
+    logits = _step(group, ranks, hidden, source=source)
+    torch.testing.assert_close(logits, hidden @ weight.T)  # full probes on rank 0, dense on rank 1
+    assert group.calls == {0: 1, 1: 1}
+    assert ranks[1][0]._my_pkg_flashhead.counters.fallbacks == 1
+
+
+def test_a_rank_whose_head_failed_to_build_still_takes_part_in_the_exchange(group, weight, monkeypatch):
+    import my_pkg.flashhead.head
+
+    hidden = torch.randn(2, HIDDEN)
+    ranks = _ranks(weight, n_probes=CLUSTERS)
+
+    class Refused:  # only rank 1 fails to build its head (say, out of memory on that device)
+        def __init__(self, weight, *args, **kwargs):
+            if weight.data_ptr() == ranks[1][1].weight.data_ptr():
+                raise MemoryError("no room")
+            self.__dict__["_head"] = real(weight, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.__dict__["_head"], name)
+
+    real = my_pkg.flashhead.head.FlashHead
+    monkeypatch.setattr(my_pkg.flashhead.head, "FlashHead", Refused)
+    _build(group, ranks, hidden)
+    failed = ranks[1][0]._my_pkg_flashhead
+    assert failed.head is None and failed.unavailable_code == "build_failed" and failed.stage1 is not None
+    logits = _step(group, ranks, hidden)
+    torch.testing.assert_close(logits, hidden @ weight.T)
+    assert group.calls == {0: 1, 1: 1}
+
+
+def test_no_exchange_when_flashhead_is_disabled(group, weight):
+    hidden = torch.randn(2, HIDDEN)
+    ranks = _ranks(weight, n_probes=1)
+    for processor, _, _ in ranks:
+        processor._my_pkg_flashhead.settings.enabled = False
+    torch.testing.assert_close(_step(group, ranks, hidden), hidden @ weight.T)
+    assert group.calls == {}
+
+
+def test_mixed_steps_probe_each_kind_of_row_from_one_exchange(group, weight):
+    """Greedy rows probe `n_probes`, sampled rows `sampled_n_probes`, from one exchange of the larger."""
+    hidden = torch.randn(4, HIDDEN)
+    ranks = _ranks(weight, n_probes=1)
+    for processor, _, _ in ranks:
+        processor._my_pkg_flashhead.settings.sampled_n_probes = 3
+    _build(group, ranks, hidden)
+    logits = _step(group, ranks, hidden, sampled=[True, False, True, False])
+    assert group.calls == {0: 1, 1: 1}
+    full = ranks[0][0]._my_pkg_flashhead.head.select_probes(hidden, n_probes=3)
+    for row in (1, 3):  # greedy: the members of the full stage 1's best cluster, exactly
+        members = torch.nonzero(ASSIGNMENTS == full[row, 0]).flatten()
+        assert set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist()) == set(members.tolist())
+    assert torch.isfinite(logits[[0, 2]]).all()
+
+
+def test_sampled_rows_get_estimates_on_every_shard(group, weight):
+    hidden = torch.randn(2, HIDDEN)
+    logits = _step(group, _ranks(weight, n_probes=1), hidden, sampled=[True, False])
     assert torch.isfinite(logits[0]).all()
     assert not torch.isfinite(logits[1]).all()
