@@ -5,7 +5,9 @@ Installed with every FlashHead hook (`patches.on_flashhead_model`). Hooks vLLM's
 
 - `InputBatch.add_request` / `remove_request` keep, per request that needs exact dense logits
   (logprobs, grammar, logit bias, ...), the reason, and per request the ids vLLM stops it on
-  (`all_stop_token_ids`: the tokenizer's EOS included), scored exactly on every row.
+  (`all_stop_token_ids`: the tokenizer's EOS included), scored exactly on every row. Ids the controller
+  pins on every row anyway (EOS, special tokens; shared with the batch by `execute_model` and `load_model`)
+  are left out, so only requests with other stop ids are kept and a typical step looks at none of them.
 - `GPUModelRunner.execute_model` arms the controller for its one `compute_logits` call over the
   batch's rows; any other logits call (warm-up, prompt logprobs in `sample_tokens`, a drafter)
   finds it disarmed and stays dense.
@@ -35,6 +37,8 @@ from my_pkg.engine.patches.runner_hooks import (
     hook_load_model,
     require,
     run_armed,
+    share_pinned_ids,
+    shared_pinned_ids,
     union_stop_ids,
     warn_once,
 )
@@ -110,10 +114,14 @@ def step_rows(input_batch: Any) -> StepRows:
             if row is not None and row < num_rows:
                 codes[row] = code
     stops: dict[str, tuple[int, ...]] = input_batch.__dict__.get(_STOP_TABLE) or {}
-    in_step = (ids for req_id, ids in stops.items() if (row := index_of.get(req_id)) is not None and row < num_rows)
+    stop_ids = ()
+    if stops:  # only the requests with stop ids beyond the pinned ones
+        stop_ids = union_stop_ids(
+            ids for req_id, ids in stops.items() if (row := index_of.get(req_id)) is not None and row < num_rows
+        )
     # Seeded rows are sampled rows too: FlashHead's logits draw nothing at random, so the seed reproduces.
     sampled = np.asarray(input_batch.temperature_cpu[:num_rows]) > 0.0
-    return StepRows(dense_codes=codes, sampled=sampled, stop_ids=union_stop_ids(in_step))
+    return StepRows(dense_codes=codes, sampled=sampled, stop_ids=stop_ids)
 
 
 def spec_step_rows(per_request: StepRows, num_draft_tokens: Any, draft_ids: Any) -> StepRows:
@@ -156,8 +164,8 @@ def runner_step_rows(runner: Any) -> StepRows:
 
 
 def _track(input_batch: Any, request: Any) -> None:
-    """Record why `request` needs dense rows, if it does, and the ids vLLM stops it on."""
-    code, stop_ids = classify(getattr(request, "sampling_params", None))
+    """Record why `request` needs dense rows, if it does, and the ids vLLM stops it on beyond the pinned ones."""
+    code, stop_ids = classify(getattr(request, "sampling_params", None), shared_pinned_ids(input_batch))
     table = input_batch.__dict__.setdefault(_DENSE_TABLE, {})
     if code:
         table[request.req_id] = code
@@ -212,7 +220,7 @@ def apply() -> None:
         CPUModelRunner = None
     for runner_class in (GPUModelRunner, CPUModelRunner):
         if runner_class is not None:
-            hook_load_model(runner_class)
+            hook_load_model(runner_class, "input_batch")
 
     _hook_spec_metadata(GPUModelRunner)
     original_add = InputBatch.add_request
@@ -246,6 +254,12 @@ def apply() -> None:
             controller = controller_of_runner(self)
         except Exception:  # noqa: BLE001 - without a controller the step is simply dense
             controller = None
+        try:  # before vLLM adds this step's requests to the batch (a new batch learns them here)
+            batch = self.__dict__.get("input_batch")
+            if batch is not None:
+                share_pinned_ids(batch, controller)
+        except Exception as exc:  # noqa: BLE001 - requests then carry every stop id, as before
+            warn_once("execute_model", exc)
         return run_armed(controller, lambda: runner_step_rows(self), lambda: original_execute(self, *args, **kwargs))
 
     for owner, name, hook in (

@@ -10,8 +10,9 @@ picks V2 (`VllmConfig.use_v2_model_runner`). It hooks:
 - `Sampler.add_request(slot, sampling_params)`, where V2 writes a joining
   request's sampling state into its slot: records, per slot, why the request
   needs exact dense logits (`request_dense_reason`, the same reasons as under
-  V1) and the ids vLLM stops it on (`all_stop_token_ids`). Like V2's own sampler state, a slot is
-  rewritten whenever a request takes it; a slot never classified is dense
+  V1) and the ids vLLM stops it on (`all_stop_token_ids`) beyond those the controller pins on every
+  row anyway (shared with the sampler at `load_model` and every `sample`). Like V2's own sampler
+  state, a slot is rewritten whenever a request takes it; a slot never classified is dense
   (`unclassified`).
 - `GPUModelRunner.sample`, which computes the logits of the step's rows with
   one `compute_logits` call and samples them: the controller is armed for that
@@ -48,6 +49,8 @@ from my_pkg.engine.patches.runner_hooks import (
     hook_load_model,
     require,
     run_armed,
+    share_pinned_ids,
+    shared_pinned_ids,
     union_stop_ids,
     warn_once,
 )
@@ -90,7 +93,7 @@ def _has_custom_logits_processors(sampler: Any) -> bool:
 
 def track(sampler: Any, slot: int, sampling_params: Any) -> None:
     """Record what the request now holding `slot` needs (unclassifiable: dense)."""
-    code, stop_ids = classify(sampling_params)
+    code, stop_ids = classify(sampling_params, shared_pinned_ids(sampler))
     table: np.ndarray | None = sampler.__dict__.get(_DENSE_TABLE)
     if table is None:
         table = np.full(int(sampler.sampling_states.max_num_reqs), _UNCLASSIFIED, dtype=np.uint8)
@@ -123,7 +126,10 @@ def step_rows(sampler: Any, input_batch: Any) -> StepRows:
     states = sampler.sampling_states
     sampled = states.temperature.np[slots] > 0.0
     stops: dict[int, tuple[int, ...]] = sampler.__dict__.get(_STOP_TABLE) or {}
-    stop_ids = union_stop_ids(stops[slot] for slot in slots.tolist() if slot in stops) if stops else ()
+    stop_ids = ()
+    if stops:  # only the slots whose request has stop ids beyond the pinned ones (some may have left)
+        in_step = set(slots.tolist())
+        stop_ids = union_stop_ids(ids for slot, ids in stops.items() if slot in in_step)
     logits_per_request = np.diff(np.asarray(input_batch.cu_num_logits_np[: num_reqs + 1]))
     if not np.all(logits_per_request == 1):  # a request with several (or no) logits rows this step
         codes, sampled = np.repeat(codes, logits_per_request), np.repeat(sampled, logits_per_request)
@@ -145,7 +151,7 @@ def apply() -> None:
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
     require((Sampler, "add_request"), (GPUModelRunner, "sample"), (GPUModelRunner, "load_model"))
-    hook_load_model(GPUModelRunner)
+    hook_load_model(GPUModelRunner, "sampler")
 
     original_add = Sampler.add_request
     original_sample = GPUModelRunner.sample
@@ -169,6 +175,10 @@ def apply() -> None:
             sampler = self.sampler
         except Exception:  # noqa: BLE001 - without a controller the step is simply dense
             controller = None
+        try:  # requests joining from the next step on leave the pinned ids out
+            share_pinned_ids(self.sampler, controller)
+        except Exception as exc:  # noqa: BLE001 - requests then carry every stop id, as before
+            warn_once("V2 GPUModelRunner.sample", exc)
         return run_armed(
             controller,
             lambda: runner_step_rows(self, sampler, input_batch),

@@ -22,6 +22,8 @@ logger = logging.getLogger(f"vllm.{__name__}")
 WRAPPED = "_my_pkg_wrapped"
 #: Where the controller of a runner's model is cached on the runner.
 CONTROLLER_ATTR = "_my_pkg_flashhead"
+#: Where `share_pinned_ids` keeps, on the object holding the stop-id table, `(controller.pinned_ids, as a set)`.
+PINNED_IDS_ATTR = "_my_pkg_pinned_ids"
 _NOT_FOUND = object()
 _warned: set[str] = set()
 T = TypeVar("T")
@@ -76,25 +78,51 @@ def find_controller(worker: Any) -> FlashHeadController | None:
 # ---- a request, a step -----------------------------------------------------------------------
 
 
-def classify(sampling_params: Any) -> tuple[int, tuple[int, ...]]:
+def share_pinned_ids(holder: Any, controller: FlashHeadController | Any | None) -> None:
+    """Tell `holder` (the object keeping the stop-id table: V1's `InputBatch`, V2's `Sampler`) which ids
+    the controller pins on every row anyway (`pinned_ids`: EOS, special tokens), so that requests joining
+    from now on carry only their other stop ids (`classify`). O(1) once shared: the controller's tuple is
+    compared by identity, and converted only when it is new."""
+    if controller is None:
+        return
+    pinned = controller.pinned_ids
+    shared = holder.__dict__.get(PINNED_IDS_ATTR)
+    if shared is None or shared[0] is not pinned:
+        holder.__dict__[PINNED_IDS_ATTR] = (pinned, frozenset(pinned))
+
+
+def shared_pinned_ids(holder: Any) -> frozenset[int]:
+    """The ids `share_pinned_ids` gave `holder`; empty before (a request then carries all its stop ids)."""
+    shared = holder.__dict__.get(PINNED_IDS_ATTR)
+    return shared[1] if shared is not None else frozenset()
+
+
+def classify(sampling_params: Any, pinned: frozenset[int] = frozenset()) -> tuple[int, tuple[int, ...]]:
     """`(dense code, stop ids)` of a request joining the batch: 0 when FlashHead may serve its rows;
-    a request that cannot be classified is dense (`unclassified`)."""
+    a request that cannot be classified is dense (`unclassified`). The stop ids leave out `pinned` (the
+    ids the controller pins on every row anyway): a typical request, which stops on EOS only, carries
+    none, and a step whose requests carry none looks at no request for them (`union_stop_ids`)."""
     try:
         reason = request_dense_reason(sampling_params)
     except Exception:  # noqa: BLE001 - an odd request is served dense, never an error
         reason = DenseReason.UNCLASSIFIED
     try:
         stop_ids = request_stop_ids(sampling_params)
+        if pinned:
+            stop_ids = tuple(i for i in stop_ids if i not in pinned)
     except Exception:  # noqa: BLE001
         stop_ids = ()
     return (0 if reason is None else int(reason)), stop_ids
 
 
 def union_stop_ids(tables: Any) -> tuple[int, ...]:
-    """The sorted union of the stop-id tuples in `tables` (each request's, many of them equal)."""
+    """The sorted union of the stop-id tuples in `tables` (each sorted; many of them equal)."""
+    distinct = set(tables)
+    if len(distinct) <= 1:
+        return next(iter(distinct), ())
     ids: set[int] = set()
-    for distinct in set(tables):
-        ids.update(distinct)
+    for one in distinct:
+        ids.update(one)
     return tuple(sorted(ids))
 
 
@@ -112,8 +140,9 @@ def run_armed(controller: FlashHeadController | None, rows: Callable[[], StepRow
 # ---- right after the weights load ------------------------------------------------------------
 
 
-def hook_load_model(owner: type) -> None:
-    """Wrap `owner.load_model` (when `owner` defines its own) to build the head right after it."""
+def hook_load_model(owner: type, stop_table_holder: str | None = None) -> None:
+    """Wrap `owner.load_model` (when `owner` defines its own) to build the head right after it; the
+    runner's attribute `stop_table_holder` (where its hooks keep the stop-id table) learns the pinned ids."""
     original = owner.__dict__.get("load_model")
     if original is None or getattr(original, WRAPPED, False):
         return
@@ -122,7 +151,7 @@ def hook_load_model(owner: type) -> None:
     def load_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         try:
-            prepare_after_load(self)
+            prepare_after_load(self, stop_table_holder)
         except Exception as exc:  # noqa: BLE001 - the first logits call builds it instead
             warn_once("load_model", exc)
         return result
@@ -131,11 +160,15 @@ def hook_load_model(owner: type) -> None:
     owner.load_model = load_model
 
 
-def prepare_after_load(runner: Any) -> None:
+def prepare_after_load(runner: Any, stop_table_holder: str | None = None) -> None:
     """Build the controller's head over the LM head vLLM just loaded, before vLLM profiles memory
-    and sizes the KV cache; when the LM head cannot be told apart, the first logits call builds it."""
+    and sizes the KV cache; when the LM head cannot be told apart, the first logits call builds it.
+    `runner.<stop_table_holder>`, when given and present, learns the pinned ids before any request joins."""
     runner.__dict__.pop(CONTROLLER_ATTR, None)  # a (re)load: look the controller up again
     controller = controller_of_runner(runner)
+    holder = runner.__dict__.get(stop_table_holder) if stop_table_holder else None
+    if holder is not None:
+        share_pinned_ids(holder, controller)
     if controller is None or controller.head is not None or not controller.available:
         return
     if getattr(getattr(runner, "model_config", None), "enable_sleep_mode", False):

@@ -347,6 +347,55 @@ def test_sample_serves_the_decode_step_through_flashhead_and_nothing_else(v2, tm
     assert controller.counters.steps == 1 and controller.take_step() is None
 
 
+def test_pinned_stop_ids_are_left_out_and_an_extra_stop_id_is_pinned_while_its_request_runs(
+    v2, tmp_path, flashhead_hooks
+):
+    """V2's load hook shares the controller's pinned ids (EOS) with the sampler: a request stopping on EOS only
+    carries no stop ids, so the step's union is empty; another stop id is scored exactly while its request runs,
+    and no longer once it left (its slot may stay in the table until reused)."""
+    eos = VOCAB - 5
+    lm_head = _lm_head()
+    processor = _processor(tmp_path, lm_head)
+    controller = processor._my_pkg_flashhead
+    controller.pinned_ids = (eos,)  # the tokenizer's EOS; the head (built at the first logits call) pins it
+    runner = _runner(v2, TinyLM(processor, lm_head))
+    runner_hooks.prepare_after_load(runner, "sampler")  # what the hooked load_model does (the head is built lazily)
+
+    batch = _step(runner, new=[_request("plain", temperature=0.0, stop_token_ids=[eos])])
+    assert runner.sampler.__dict__.get("_my_pkg_stop_token_ids") == {}
+    assert model_runner_v2.step_rows(runner.sampler, batch).stop_ids == ()
+
+    batch = _step(runner, new=[_request("extra", temperature=0.8, stop_token_ids=[STOP, eos])], decoding=("plain",))
+    assert model_runner_v2.step_rows(runner.sampler, batch).stop_ids == (STOP,)
+    hidden = torch.randn(batch.num_reqs, HIDDEN)
+    dense = hidden @ lm_head.weight.T
+    runner.sample(hidden, batch, None)
+    logits = runner.sampler.seen_logits
+    assert controller.counters.rows_flashhead == 2
+    torch.testing.assert_close(logits[:, [STOP, eos]], dense[:, [STOP, eos]])  # exact on every row
+    assert controller._pins.get((STOP,), lm_head.weight)[0].tolist() == sorted([STOP, eos])
+
+    batch = _step(runner, finished={"extra"}, decoding=("plain",))
+    assert model_runner_v2.step_rows(runner.sampler, batch).stop_ids == ()
+    assert controller._pins.get((), lm_head.weight)[0].tolist() == [eos]
+
+
+def test_sample_shares_the_pinned_ids_when_the_load_hook_did_not(v2, tmp_path, flashhead_hooks):
+    eos = VOCAB - 5
+    lm_head = _lm_head()
+    processor = _processor(tmp_path, lm_head)
+    processor._my_pkg_flashhead.pinned_ids = (eos,)
+    runner = _runner(v2, TinyLM(processor, lm_head))
+    batch = _step(runner, new=[_request("early", temperature=0.0, stop_token_ids=[eos])])
+    assert model_runner_v2.step_rows(runner.sampler, batch).stop_ids == (eos,)  # joined before: keeps its ids
+    runner.sample(torch.randn(1, HIDDEN), batch, None)
+    batch = _step(runner, new=[_request("late", temperature=0.0, stop_token_ids=[eos])], decoding=("early",))
+    slots = runner.req_states.req_id_to_index
+    assert runner.sampler.__dict__["_my_pkg_stop_token_ids"] == {slots["early"]: (eos,)}  # "late" carries none
+    batch = _step(runner, finished={"early"}, decoding=("late",))
+    assert model_runner_v2.step_rows(runner.sampler, batch).stop_ids == ()
+
+
 def test_sample_of_a_model_without_flashhead_is_vllms_own(v2, tmp_path, flashhead_hooks):
     model_runner_v2.apply()
     lm_head = _lm_head()

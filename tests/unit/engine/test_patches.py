@@ -378,6 +378,90 @@ def test_every_id_vllm_stops_on_is_pinned_the_tokenizers_eos_included(ignore_eos
     assert rows.stop_ids == (7, 9, 11) and rows.dense_codes.tolist() == [0, 0]
 
 
+def _eos_params(stop_token_ids=None):
+    """vLLM's `SamplingParams` of a request to a model whose EOS ids are 7 and 9 (`all_stop_token_ids`)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(stop_token_ids=stop_token_ids)
+    params.update_from_generation_config({"eos_token_id": [9, 7]}, eos_token_id=7)
+    return params
+
+
+def test_stop_ids_the_controller_pins_anyway_are_left_out_and_an_extra_one_is_pinned_while_its_request_runs(
+    monkeypatch,
+):
+    """Through the hooked `execute_model` / `add_request` / `remove_request`: the step shares the controller's
+    pinned ids with the batch before vLLM adds its requests, so a request stopping on EOS only carries no stop
+    ids (a step of such requests looks at none); a request with another stop id has it pinned until it leaves."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from my_pkg.engine.flashhead.pins import PinnedRows
+    from my_pkg.engine.patches import runner_hooks
+
+    monkeypatch.setattr(InputBatch, "add_request", lambda self, request: None)
+    monkeypatch.setattr(InputBatch, "remove_request", lambda self, req_id: None)
+
+    def execute_model(self, new=(), finished=()):  # vLLM's order: the batch is updated, then the logits
+        for request in new:
+            InputBatch.add_request(self.input_batch, request)
+        for req_id in finished:
+            InputBatch.remove_request(self.input_batch, req_id)
+        return model_runner.step_rows(self.input_batch)
+
+    monkeypatch.setattr(GPUModelRunner, "execute_model", execute_model)
+    for runner_class in (GPUModelRunner, CPUModelRunner):
+        monkeypatch.setattr(runner_class, "load_model", runner_class.__dict__["load_model"])  # restored afterwards
+    model_runner.apply()
+
+    controller = FlashHeadController(centroids=None, assignments=None, config={}, vocab_size=VOCAB, pinned_ids=(7, 9))
+    runner = object.__new__(GPUModelRunner)
+    runner.__dict__[runner_hooks.CONTROLLER_ATTR] = controller
+    runner.__dict__["input_batch"] = batch = _input_batch(2, [0.0, 0.7], {})
+    pins, weight = PinnedRows(controller.pinned_ids, (0, VOCAB)), torch.randn(VOCAB, HIDDEN)
+
+    def pinned(rows):
+        return pins.get(rows.stop_ids, weight)[0].tolist()
+
+    rows = GPUModelRunner.execute_model(runner, new=[SimpleNamespace(req_id="r0", sampling_params=_eos_params())])
+    assert batch.__dict__.get("_my_pkg_stop_token_ids") == {}  # EOS only: nothing to walk at each step
+    assert rows.stop_ids == () and pinned(rows) == [7, 9]
+
+    extra = SimpleNamespace(req_id="r1", sampling_params=_eos_params([11, 7]))
+    rows = GPUModelRunner.execute_model(runner, new=[extra])
+    assert batch.__dict__["_my_pkg_stop_token_ids"] == {"r1": (11,)}
+    assert rows.stop_ids == (11,) and pinned(rows) == [7, 9, 11]
+
+    rows = GPUModelRunner.execute_model(runner, finished=["r1"])
+    assert batch.__dict__["_my_pkg_stop_token_ids"] == {}
+    assert rows.stop_ids == () and pinned(rows) == [7, 9]
+
+
+def test_sharing_the_pinned_ids_is_once_per_controller_tuple():
+    from my_pkg.engine.patches import runner_hooks
+
+    batch = _input_batch(1, [0.0], {})
+    runner_hooks.share_pinned_ids(batch, None)  # no controller: requests keep every stop id
+    assert runner_hooks.shared_pinned_ids(batch) == frozenset()
+    first = SimpleNamespace(pinned_ids=(7, 9))
+    runner_hooks.share_pinned_ids(batch, first)
+    shared = runner_hooks.shared_pinned_ids(batch)
+    runner_hooks.share_pinned_ids(batch, first)
+    assert runner_hooks.shared_pinned_ids(batch) is shared == {7, 9}
+    runner_hooks.share_pinned_ids(batch, SimpleNamespace(pinned_ids=(7,)))  # a reloaded model's controller
+    assert runner_hooks.shared_pinned_ids(batch) == {7}
+    assert runner_hooks.classify(_eos_params([11]), runner_hooks.shared_pinned_ids(batch)) == (0, (9, 11))
+
+
+def test_the_union_of_stop_ids():
+    from my_pkg.engine.patches.runner_hooks import union_stop_ids
+
+    assert union_stop_ids([]) == ()
+    assert union_stop_ids([(4, 9), (4, 9)]) == (4, 9)
+    assert union_stop_ids([(9,), (4, 9), (2,)]) == (2, 4, 9)
+
+
 def test_the_tokenizer_vllm_loads_gives_its_eos_even_as_a_non_special_added_token(tmp_path):
     """`--tokenizer` in another directory than the model's, whose EOS was added with `add_tokens`
     (special=false, as in many ChatML fine-tunes): its id is pinned, read from the tokenizer vLLM loads."""
