@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from my_pkg.engine.flashhead.controller import FlashHeadController
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows, request_dense_reason, request_stop_ids
+from my_pkg.engine.vllm_uses import attributes, symbol
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -27,6 +28,20 @@ PINNED_IDS_ATTR = "_my_pkg_pinned_ids"
 _NOT_FOUND = object()
 _warned: set[str] = set()
 T = TypeVar("T")
+#: What the shared hooks rely on beyond their imports (`my_pkg.devtools.compat` checks it): the V1 and V2
+#: runners' model lookups and load step, the model config's sleep mode, and the LM head's class tree.
+VLLM_SYMBOLS = (
+    symbol("vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model", "method", params=("self",)),
+    symbol("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", "method", params=("self",)),
+    *attributes("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "model", "model_config"),
+    symbol("vllm.v1.worker.gpu.model_runner:GPUModelRunner.get_model", "method", params=("self",)),
+    *attributes("vllm.config:ModelConfig", "enable_sleep_mode"),
+    symbol(
+        "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",
+        "class",
+        subclass_of="vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding",
+    ),
+)
 
 
 def warn_once(hook: str, exc: BaseException) -> None:
