@@ -365,12 +365,16 @@ def subclass() -> type:
             """`(gathered keys [B, tp * width] or None, scored)`: the stage-1 exchange, one all-gather over the TP
             group, reached once by every rank of an armed step. `scored` is False when this rank could not
             score its share, or the exchange failed (counted): its shard is then served dense."""
+            import torch
             from vllm.distributed import tensor_model_parallel_all_gather
 
             keys, scored = controller.stage1_keys(hidden_states, width)
             try:
-                return tensor_model_parallel_all_gather(keys, dim=-1), scored
-            except Exception as exc:  # noqa: BLE001 - e.g. a communicator that refuses int64
+                # The keys' bytes travel as float32 pairs (vLLM's CPU shared-memory all-gather has no int64
+                # kernel); an all-gather only copies them, and each rank's pairs stay whole along the last dim.
+                gathered = tensor_model_parallel_all_gather(keys.contiguous().view(torch.float32), dim=-1)
+                return gathered.contiguous().view(torch.int64), scored
+            except Exception as exc:  # noqa: BLE001 - a communicator that refuses the exchange
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
                 return None, False
 
