@@ -5,6 +5,7 @@
 * :func:`flashhead_server` starts one vLLM server with both plugin halves and an admin token.
 * :func:`run_load` is a closed-loop completion load: C clients, each sending one request at
   a time, until a duration has passed; output tokens/s = completion tokens / wall time.
+  Requests are greedy or sampled (``TRAFFIC``).
 * :class:`Admin` wraps the admin routes the benchmarks use.
 
 Everything talks to 127.0.0.1 only, and every loop ends by itself.
@@ -160,6 +161,12 @@ class RowCounts:
 
 # ---- completion load -------------------------------------------------------------------------
 
+#: How the requests of a load sample: greedy, or the common sampling default (T = 0.7, top_p = 0.9).
+TRAFFIC: dict[str, dict[str, float]] = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.7, "top_p": 0.9},
+}
+
 
 @dataclass
 class LoadResult:
@@ -175,9 +182,9 @@ class LoadResult:
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """Greedy completion of exactly ``max_tokens`` tokens."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+def completion_body(model: str, prompt: str, max_tokens: int, traffic: str = "greedy") -> dict[str, Any]:
+    """A completion of exactly ``max_tokens`` tokens (``ignore_eos``), greedy or sampled (``TRAFFIC``)."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **TRAFFIC[traffic]}
 
 
 def _client_loop(
@@ -192,6 +199,7 @@ def _client_loop(
     result: LoadResult,
     lock: threading.Lock,
     request_timeout: float,
+    traffic: str,
 ) -> None:
     with httpx.Client(base_url=url, timeout=request_timeout) as http:
         start.wait()
@@ -201,7 +209,7 @@ def _client_loop(
             sent = time.perf_counter()
             tokens, ok = 0, False
             try:
-                response = http.post("/v1/completions", json=completion_body(model, prompt, max_tokens))
+                response = http.post("/v1/completions", json=completion_body(model, prompt, max_tokens, traffic))
                 ok = response.status_code == 200
                 if ok:
                     tokens = int(response.json()["usage"]["completion_tokens"])
@@ -229,10 +237,13 @@ def run_load(
     seconds: float,
     min_requests: int = 1,
     request_timeout: float = 600.0,
+    traffic: str = "greedy",
 ) -> LoadResult:
-    """``concurrency`` clients start together; each sends completions one after the other until
-    ``seconds`` have passed (at least ``min_requests`` each).  Wall time runs until the last
-    answer, so every counted token lies inside it."""
+    """``concurrency`` clients start together; each sends completions (``traffic``: greedy or
+    sampled) one after the other until ``seconds`` have passed (at least ``min_requests`` each).
+    Wall time runs until the last answer, so every counted token lies inside it."""
+    if traffic not in TRAFFIC:
+        raise ValueError(f"traffic {traffic!r}: not one of {sorted(TRAFFIC)}")
     result = LoadResult(concurrency)
     lock = threading.Lock()
     t0 = [0.0]
@@ -241,7 +252,7 @@ def run_load(
         threading.Thread(
             target=_client_loop,
             daemon=True,
-            args=(url, model, i, max_tokens, seconds, min_requests, start, t0, result, lock, request_timeout),
+            args=(url, model, i, max_tokens, seconds, min_requests, start, t0, result, lock, request_timeout, traffic),
         )
         for i in range(concurrency)
     ]

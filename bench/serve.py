@@ -7,20 +7,27 @@ in float32.  Dense and FlashHead are compared on that same server by switching
 ``PUT /plugins/my_pkg/flashhead {"enabled": ...}`` between measurements, in the order
 dense, FlashHead, FlashHead, dense, ... over ``--rounds`` rounds so that drift cancels.
 
-One measurement = C concurrent clients, each sending greedy completions of exactly
-``--max-tokens`` tokens (``ignore_eos``) one after the other for ``--seconds`` (at least one
-each); throughput = completion tokens / wall time until the last answer.  Around every
+One measurement = C concurrent clients, each sending completions of exactly ``--max-tokens``
+tokens (``ignore_eos``) one after the other for ``--seconds`` (at least one each), all greedy
+or all sampled (``--traffic``: temperature 0.7, top_p 0.9); throughput = completion tokens /
+wall time until the last answer.  Each (concurrency, traffic) gets ``--rounds`` paired rounds;
+the table gives the median FlashHead / dense ratio of the rounds and its spread.  Around every
 measurement the status route's row counters are read, to check that FlashHead rounds were
-served by FlashHead and dense rounds were not.
+served by FlashHead (sampled rows included) and dense rounds were not.  ``--write-docs`` also
+states the targets (C = 1: >= 2.2x head-heavy, >= 1.8x Llama-1B-like; >= 1.0x everywhere) and
+whether they were met.  The measuring time is at least shapes x concurrencies x traffics x
+rounds x 2 x ``--seconds`` (printed at the start); bound it with those options.
 
-    python -m bench.serve --quick                     # tiny model, a few minutes, prints only
+    python -m bench.serve --quick                     # tiny model, ~8 min with its first build, prints only
     python -m bench.serve --write-docs                # both shapes, writes the serve section
-    python -m bench.serve --shape llama-1b --llama-layers 8 --concurrency 1,8,32,64 --write-docs
+    python -m bench.serve --shape llama-1b --traffic sampled --concurrency 1 --rounds 3 --seconds 20
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +35,7 @@ from pathlib import Path
 
 from bench._load import (
     DEFAULT_WORK_DIR,
+    TRAFFIC,
     Admin,
     LoadResult,
     RowCounts,
@@ -36,6 +44,7 @@ from bench._load import (
     run_load,
 )
 from bench._report import command_line, machine_description, write_section
+from my_pkg.contract import DenseReason
 from tests.support.tiny_model import TinyLlamaSpec
 
 MODES = ("dense", "flashhead")
@@ -92,60 +101,103 @@ def shapes(llama_layers: int) -> dict[str, Shape]:
     }
 
 
+#: Targets of the serving benchmark (FlashHead / dense, median over rounds): the C = 1 speed-up of a
+#: shape, for every traffic measured; and never slower than dense, at every concurrency and traffic.
+C1_TARGETS = {"head-heavy": 2.2, "llama-1b": 1.8}
+FLOOR = 1.0
+#: Dense rows for these reasons in a FlashHead round mean the requests themselves were sent dense
+#: (the benchmark's requests ask for nothing that needs dense logits, greedy or sampled).
+REQUEST_REASONS = frozenset(reason.label for reason in DenseReason)
+
+
 @dataclass
 class Measurement:
     mode: str
+    traffic: str
     round: int
     load: LoadResult
     rows: RowCounts
 
     @property
     def check(self) -> bool:
-        """FlashHead rounds went (at least partly) through FlashHead; dense rounds never did."""
+        """FlashHead rounds went through FlashHead (no row sent dense for what its request asked, so the
+        sampled rows too); dense rounds never did."""
         if self.load.errors or self.load.completion_tokens == 0:
             return False
-        return self.rows.flashhead > 0 if self.mode == "flashhead" else self.rows.flashhead == 0
+        if self.mode == "dense":
+            return self.rows.flashhead == 0
+        return self.rows.flashhead > 0 and not REQUEST_REASONS & set(self.rows.dense)
 
 
 @dataclass
 class ShapeResult:
     shape: Shape
     n_probes: int
+    sampled_n_probes: int | None
+    probe_sampling: bool | None
     num_clusters: int
-    threshold: int
+    threshold: int | None
     backend: str | None
-    runs: dict[int, list[Measurement]] = field(default_factory=dict)
+    runs: dict[tuple[str, int], list[Measurement]] = field(default_factory=dict)
 
-    def tokens_per_s(self, concurrency: int, mode: str) -> float:
-        ms = [m for m in self.runs[concurrency] if m.mode == mode]
+    def tokens_per_s(self, key: tuple[str, int], mode: str) -> float:
+        ms = [m for m in self.runs[key] if m.mode == mode]
         wall = sum(m.load.wall_s for m in ms)
         return sum(m.load.completion_tokens for m in ms) / wall if wall else 0.0
 
-    def flash_share(self, concurrency: int) -> float:
-        rows = [m.rows for m in self.runs[concurrency] if m.mode == "flashhead"]
+    def ratios(self, key: tuple[str, int]) -> list[float]:
+        """FlashHead / dense tokens/s of each round (its two measurements were taken back to back)."""
+        by_round: dict[int, dict[str, float]] = {}
+        for m in self.runs[key]:
+            by_round.setdefault(m.round, {})[m.mode] = m.load.tokens_per_s
+        return [r["flashhead"] / r["dense"] for r in by_round.values() if r.get("dense") and "flashhead" in r]
+
+    def median_ratio(self, key: tuple[str, int]) -> float:
+        ratios = self.ratios(key)
+        return statistics.median(ratios) if ratios else math.nan
+
+    def flash_share(self, key: tuple[str, int]) -> float:
+        rows = [m.rows for m in self.runs[key] if m.mode == "flashhead"]
         total = sum(r.total for r in rows)
         return sum(r.flashhead for r in rows) / total if total else 0.0
 
-    def all_checked(self, concurrency: int) -> bool:
-        return all(m.check for m in self.runs[concurrency])
+    def all_checked(self, key: tuple[str, int]) -> bool:
+        return all(m.check for m in self.runs[key])
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _traffics(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in TRAFFIC]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"traffic: a comma-separated list of {', '.join(TRAFFIC)}")
+    return list(dict.fromkeys(names))
+
+
 def measure(
-    url: str, model: str, admin: Admin, mode: str, rnd: int, args: argparse.Namespace, concurrency: int
+    url: str,
+    model: str,
+    admin: Admin,
+    mode: str,
+    traffic: str,
+    rnd: int,
+    args: argparse.Namespace,
+    concurrency: int,
 ) -> Measurement:
     admin.update(enabled=mode == "flashhead")
     before = RowCounts.of(admin.status())
-    load = run_load(url, model, concurrency=concurrency, max_tokens=args.max_tokens, seconds=args.seconds)
+    load = run_load(
+        url, model, concurrency=concurrency, max_tokens=args.max_tokens, seconds=args.seconds, traffic=traffic
+    )
     if load.errors == load.requests:
-        raise RuntimeError(f"every completion failed ({mode}, C={concurrency}); see the server log")
+        raise RuntimeError(f"every completion failed ({mode}, {traffic}, C={concurrency}); see the server log")
     rows = RowCounts.of(admin.status()) - before
-    m = Measurement(mode, rnd, load, rows)
+    m = Measurement(mode, traffic, rnd, load, rows)
     print(
-        f"    C={concurrency:3d} round {rnd} {mode:9s}: {load.tokens_per_s:8.1f} tok/s  "
+        f"    C={concurrency:3d} {traffic:7s} round {rnd} {mode:9s}: {load.tokens_per_s:8.1f} tok/s  "
         f"({load.requests} requests, {load.completion_tokens} tokens, {load.wall_s:5.1f} s, "
         f"{load.errors} errors; rows flashhead {rows.flashhead}, dense {rows.dense or 0})"
         f"{'' if m.check else '  CHECK FAILED'}",
@@ -171,8 +223,9 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
         print(f"  server ready in {time.perf_counter() - t0:.0f} s (log: {server.log_path})", flush=True)
         admin = Admin(server.url)
         try:
-            # The head is built on the first decode step; n_probes can be set only after that.
-            run_load(server.url, server.model, concurrency=1, max_tokens=4, seconds=0)
+            # The head may be built on the first decode step; n_probes can be set only after that.
+            for traffic in args.traffic:
+                run_load(server.url, server.model, concurrency=1, max_tokens=4, seconds=0, traffic=traffic)
             settings = {}
             if args.n_probes is not None:
                 settings["n_probes"] = args.n_probes
@@ -182,51 +235,95 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
             result = ShapeResult(
                 shape,
                 status["n_probes"],
+                status.get("sampled_n_probes"),
+                status.get("probe_sampling"),
                 status["num_clusters"],
-                status["dense_batch_threshold"],
+                status.get("dense_batch_threshold"),
                 status.get("backend"),
             )
             print(
-                f"  FlashHead: {result.num_clusters:,} clusters, n_probes {result.n_probes}, "
+                f"  FlashHead: {result.num_clusters:,} clusters, n_probes {result.n_probes} "
+                f"(sampled rows {result.sampled_n_probes}, probe_sampling {result.probe_sampling}), "
                 f"dense_batch_threshold {result.threshold}, backend {result.backend}",
                 flush=True,
             )
             for c in args.concurrency:
-                run_load(server.url, server.model, concurrency=c, max_tokens=4, seconds=0)  # warm-up
-                runs: list[Measurement] = []
+                for traffic in args.traffic:  # warm-up
+                    run_load(server.url, server.model, concurrency=c, max_tokens=4, seconds=0, traffic=traffic)
                 for rnd in range(args.rounds):
-                    order = MODES if rnd % 2 == 0 else MODES[::-1]
-                    runs += [measure(server.url, server.model, admin, mode, rnd, args, c) for mode in order]
-                result.runs[c] = runs
-                dense, flash = result.tokens_per_s(c, "dense"), result.tokens_per_s(c, "flashhead")
-                print(
-                    f"  C={c}: dense {dense:.1f} tok/s, FlashHead {flash:.1f} tok/s, "
-                    f"x{flash / dense if dense else float('nan'):.2f}",
-                    flush=True,
-                )
+                    for i, traffic in enumerate(args.traffic):
+                        order = MODES if (rnd + i) % 2 == 0 else MODES[::-1]
+                        result.runs.setdefault((traffic, c), []).extend(
+                            measure(server.url, server.model, admin, mode, traffic, rnd, args, c) for mode in order
+                        )
+                for traffic in args.traffic:
+                    key = (traffic, c)
+                    dense, flash = result.tokens_per_s(key, "dense"), result.tokens_per_s(key, "flashhead")
+                    print(
+                        f"  C={c} {traffic}: dense {dense:.1f} tok/s, FlashHead {flash:.1f} tok/s, "
+                        f"x{result.median_ratio(key):.2f} (median of rounds)",
+                        flush=True,
+                    )
             admin.update(enabled=True)
         finally:
             admin.close()
     return result
 
 
+def _keys(result: ShapeResult) -> list[tuple[str, int]]:
+    order = {t: i for i, t in enumerate(TRAFFIC)}
+    return sorted(result.runs, key=lambda k: (k[1], order.get(k[0], len(order))))
+
+
 def table(result: ShapeResult) -> list[str]:
     lines = [
-        "| concurrency | dense tok/s | FlashHead tok/s | FlashHead / dense | "
+        "| concurrency | traffic | dense tok/s | FlashHead tok/s | FlashHead / dense (median) | spread over rounds | "
         "FlashHead rows in FlashHead rounds | check |",
-        "|---:|---:|---:|---:|---:|:---:|",
+        "|---:|:---|---:|---:|---:|:---:|---:|:---:|",
     ]
-    for c in sorted(result.runs):
-        dense, flash = result.tokens_per_s(c, "dense"), result.tokens_per_s(c, "flashhead")
-        ratio = f"{flash / dense:.2f}x" if dense else "n/a"
+    for key in _keys(result):
+        traffic, c = key
+        dense, flash = result.tokens_per_s(key, "dense"), result.tokens_per_s(key, "flashhead")
+        ratios = result.ratios(key)
+        median = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
+        spread = f"{min(ratios):.2f}..{max(ratios):.2f}" if ratios else "n/a"
         lines.append(
-            f"| {c} | {dense:.1f} | {flash:.1f} | {ratio} | {100 * result.flash_share(c):.0f}% | "
-            f"{'ok' if result.all_checked(c) else 'FAILED'} |"
+            f"| {c} | {traffic} | {dense:.1f} | {flash:.1f} | {median} | {spread} | "
+            f"{100 * result.flash_share(key):.0f}% | {'ok' if result.all_checked(key) else 'FAILED'} |"
         )
     return lines
 
 
+def targets(results: list[ShapeResult]) -> list[tuple[str, str, bool]]:
+    """`(target, measured, met)` for every target that the measured shapes cover."""
+    out = []
+    for r in results:
+        goal = C1_TARGETS.get(r.shape.key)
+        keys = [k for k in _keys(r) if k[1] == 1]
+        if goal is not None and keys:
+            got = {k[0]: r.median_ratio(k) for k in keys}
+            out.append(
+                (
+                    f"≥ {goal:.1f}x dense at C = 1, {r.shape.key}",
+                    ", ".join(f"{t} {v:.2f}x" for t, v in got.items()),
+                    all(v >= goal for v in got.values()),
+                )
+            )
+    every = [(r.shape.key, k, r.median_ratio(k)) for r in results for k in _keys(r)]
+    if every:
+        worst = min(every, key=lambda x: x[2] if not math.isnan(x[2]) else -math.inf)
+        out.append(
+            (
+                f"≥ {FLOOR:.1f}x dense at every concurrency, greedy and sampled",
+                f"lowest {worst[2]:.2f}x ({worst[0]}, {worst[1][0]}, C = {worst[1][1]})",
+                all(v >= FLOOR for _, _, v in every),
+            )
+        )
+    return out
+
+
 def to_markdown(results: list[ShapeResult], args: argparse.Namespace) -> str:
+    traffic = " and ".join(f"{t} ({', '.join(f'{k} {v:g}' for k, v in TRAFFIC[t].items())})" for t in args.traffic)
     out = [
         "### Serving: decode throughput, FlashHead vs dense (vLLM server, float32)",
         "",
@@ -236,16 +333,20 @@ def to_markdown(results: list[ShapeResult], args: argparse.Namespace) -> str:
         "",
         "One vLLM server per shape serves the FlashHead-converted random checkpoint; dense and FlashHead "
         'are measured on the same server by switching `PUT /plugins/my_pkg/flashhead {"enabled": ...}` '
-        f"between measurements, alternating the order (dense, FlashHead, FlashHead, dense, ...) over "
-        f"{args.rounds} round(s). Each measurement: C clients, each sending greedy completions of exactly "
+        f"between measurements, in {args.rounds} paired round(s): in each round, for each traffic, a dense and "
+        "a FlashHead measurement back to back, the order alternating (dense first, then FlashHead first). "
+        f"Traffic: {traffic}. Each measurement: C clients, each sending completions of exactly "
         f"{args.max_tokens} tokens (`ignore_eos`) back to back for {args.seconds:g} s (at least one each); "
         "tokens/s = completion tokens / wall time until the last answer (prefill included, same for both "
-        "modes). Clusters come from "
+        "modes); dense and FlashHead tok/s pool the rounds, the ratio is the median of the rounds' ratios "
+        "with their spread (lowest..highest). Clusters come from "
         f"{args.iterations} balanced k-means iteration(s) only: cluster quality changes which tokens are "
         'chosen, not the time per step. "FlashHead rows" = share of head rows that the status route\'s '
-        "counters show served by FlashHead during the FlashHead rounds (the rest went dense, e.g. batch "
-        'above `dense_batch_threshold`); "check" = no errors, FlashHead rows counted in every FlashHead '
-        "round and none in any dense round.",
+        "counters show served by FlashHead during the FlashHead rounds (the rest went dense, e.g. a batch "
+        "above `dense_batch_threshold`); the counters do not split greedy from sampled rows, but each "
+        "measurement sends one traffic only, so the rows counted for a sampled line are sampled rows. "
+        '"check" = no errors; in every FlashHead round FlashHead rows counted and no row sent dense for '
+        "what its request asked (a `DenseReason`); no FlashHead row in any dense round.",
         "",
     ]
     for r in results:
@@ -254,13 +355,25 @@ def to_markdown(results: list[ShapeResult], args: argparse.Namespace) -> str:
             f"**{r.shape.title}**: V = {spec.vocab_size:,}, H = {spec.hidden_size:,}, "
             f"{spec.num_hidden_layers} layers, intermediate {spec.intermediate_size:,}, "
             f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, tied embeddings; "
-            f"{r.num_clusters:,} clusters of 16, n_probes {r.n_probes}, dense_batch_threshold "
-            f"{r.threshold} (server default unless the command sets it), backend {r.backend}.",
+            f"{r.num_clusters:,} clusters of 16, n_probes {r.n_probes} (sampled rows: {r.sampled_n_probes}, "
+            f"probe_sampling {r.probe_sampling}), dense_batch_threshold {r.threshold} (server default unless "
+            f"the command sets it), backend {r.backend}.",
             "",
         ]
         out += table(r)
         out.append("")
+    met = targets(results)
+    if met:
+        out += ["Targets (median FlashHead / dense over rounds):", ""]
+        out += ["| target | measured | met |", "|:---|:---|:---:|"]
+        out += [f"| {goal} | {got} | {'yes' if ok else '**no**'} |" for goal, got, ok in met]
+        out.append("")
     return "\n".join(out)
+
+
+def planned_seconds(args: argparse.Namespace, num_shapes: int) -> float:
+    """Lower bound of the measuring time: every measurement lasts at least ``--seconds``."""
+    return num_shapes * len(args.concurrency) * len(args.traffic) * args.rounds * len(MODES) * args.seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,9 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=["head-heavy", "llama-1b", "all"], default="all")
     ap.add_argument("--llama-layers", type=int, default=4, help="layers of the Llama-3.2-1B-like shape (real: 16)")
     ap.add_argument("--concurrency", type=_ints, default=None, help="default 1,8,32 (quick: 1,8)")
+    ap.add_argument("--traffic", type=_traffics, default=list(TRAFFIC), help="greedy, sampled or both (default)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 64; quick: 16)")
     ap.add_argument("--seconds", type=float, default=None, help="per measurement (default 30; quick: 4)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None, help="paired rounds (default 3; quick: 2)")
     ap.add_argument("--n-probes", type=int, default=None, help="set via PUT (default: the model's)")
     ap.add_argument("--dense-batch-threshold", type=int, default=None, help="set via PUT (default: the server's)")
     ap.add_argument("--iterations", type=int, default=None, help="k-means iterations (default 2; quick: 1)")
@@ -282,18 +396,25 @@ def main(argv: list[str] | None = None) -> int:
     args.max_tokens = args.max_tokens or (16 if args.quick else 64)
     args.seconds = args.seconds if args.seconds is not None else (4.0 if args.quick else 30.0)
     args.iterations = args.iterations or (1 if args.quick else 2)
+    args.rounds = args.rounds or (2 if args.quick else 3)
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
     table_shapes = shapes(args.llama_layers)
     keys = ["quick"] if args.quick else (["head-heavy", "llama-1b"] if args.shape == "all" else [args.shape])
     print(machine_description())
+    print(
+        f"measuring at least {planned_seconds(args, len(keys)) / 60:.0f} min "
+        f"({len(keys)} shape(s) x {len(args.concurrency)} concurrencies x {len(args.traffic)} traffics x "
+        f"{args.rounds} rounds x 2 modes x {args.seconds:g} s), plus model builds and server starts",
+        flush=True,
+    )
     results = [bench_shape(table_shapes[k], args) for k in keys]
     md = to_markdown(results, args)
     print()
     print(md)
     if args.write_docs:
         print(f"wrote the serve section of {write_section('serve', md)}")
-    failed = [r.shape.key for r in results for c in r.runs if not r.all_checked(c)]
+    failed = [r.shape.key for r in results for key in r.runs if not r.all_checked(key)]
     return 1 if failed else 0
 
 

@@ -1,0 +1,70 @@
+"""`bench/serve.py` without a server: greedy and sampled bodies, paired-round ratios, the row check, the targets."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench._load import LoadResult, RowCounts, completion_body
+from bench.serve import Measurement, ShapeResult, _traffics, shapes, table, targets
+
+
+def test_sampled_traffic_samples_at_the_common_defaults():
+    greedy, sampled = completion_body("m", "p", 8), completion_body("m", "p", 8, "sampled")
+    assert greedy["temperature"] == 0 and "top_p" not in greedy
+    assert sampled["temperature"] == 0.7 and sampled["top_p"] == 0.9
+    assert greedy["ignore_eos"] and sampled["ignore_eos"] and sampled["max_tokens"] == 8
+    assert _traffics("sampled, greedy,sampled") == ["sampled", "greedy"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        _traffics("beam")
+
+
+def _m(mode, traffic, rnd, tok_per_s, flash_rows=0, dense=None):
+    load = LoadResult(1, requests=2, completion_tokens=int(tok_per_s * 10), wall_s=10.0)
+    return Measurement(mode, traffic, rnd, load, RowCounts(flash_rows, dense or {}))
+
+
+def _result(key, ratios_by_round, **rows):
+    result = ShapeResult(shapes(4)[key], 8, 16, True, 100, None, "torch")
+    for traffic in ("greedy", "sampled"):
+        result.runs[(traffic, 1)] = [
+            m
+            for rnd, ratio in enumerate(ratios_by_round[traffic])
+            for m in (
+                _m("dense", traffic, rnd, 10.0),
+                _m("flashhead", traffic, rnd, 10.0 * ratio, 5, rows.get(traffic)),
+            )
+        ]
+    return result
+
+
+def test_paired_rounds_give_the_median_ratio_and_its_spread():
+    result = _result("head-heavy", {"greedy": [2.0, 3.0, 2.5], "sampled": [1.0, 1.2, 0.9]})
+    assert result.median_ratio(("greedy", 1)) == pytest.approx(2.5)
+    rows = table(result)
+    assert "| 1 | greedy | 10.0 | 25.0 | 2.50x | 2.00..3.00 | 100% | ok |" in rows
+    assert "| 1 | sampled | 10.0 | 10.3 | 1.00x | 0.90..1.20 | 100% | ok |" in rows
+
+
+def test_a_sampled_row_sent_dense_for_what_its_request_asked_fails_the_check():
+    result = _result(
+        "quick", {"greedy": [1.5], "sampled": [1.5]}, sampled={"unclassified": 3}, greedy={"batch_threshold": 2}
+    )
+    assert result.all_checked(("greedy", 1))  # a step over the threshold is dense by design
+    assert not result.all_checked(("sampled", 1))
+    assert not _m("dense", "greedy", 0, 10.0, flash_rows=1).check
+
+
+def test_targets_say_whether_they_were_met():
+    met = {goal: ok for goal, _, ok in targets([_result("head-heavy", {"greedy": [2.3], "sampled": [2.25]})])}
+    assert met == {
+        "≥ 2.2x dense at C = 1, head-heavy": True,
+        "≥ 1.0x dense at every concurrency, greedy and sampled": True,
+    }
+    met = targets([_result("llama-1b", {"greedy": [2.0], "sampled": [0.95]})])
+    assert [(goal, ok) for goal, _, ok in met] == [
+        ("≥ 1.8x dense at C = 1, llama-1b", False),
+        ("≥ 1.0x dense at every concurrency, greedy and sampled", False),
+    ]
+    assert "lowest 0.95x (llama-1b, sampled, C = 1)" in met[1][1]
