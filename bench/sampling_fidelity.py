@@ -14,12 +14,19 @@ and maximum over the held-out states, with the scored fraction of a sampled row.
   (``--variants P:R[:K],...`` adds more: probes, estimate rank, rescored tail tokens (default: the
   head's); ``P`` may be ``n`` for the greedy rows' ``n_probes``).
 
+With ``--shifted`` it instead measures sampled rows on text the build never saw, as the default build
+serves them: the fixture's head clustered, its stage 1 calibrated on the model's own samples and on each
+source's calibration states (``calibrate_stage1``, as ``build`` does), each with the weight-only tail
+estimate and with the one fitted to the same calibration states; TV on the held-out states of every other
+source (mean / p90 / max).
+
 With ``--speed VxH`` it instead times one decode step at batch 1 on a random head of that shape
 (random balanced clusters, builder-default ``n_probes``): the dense logits, a greedy row and a
 sampled row of ``FlashHead.step_logits``, and the one-time build of the sampled rows' tables.
 
     python -m bench.sampling_fidelity                       # the committed fixture, every held-out state
     python -m bench.sampling_fidelity --rows 1024 --draws 8
+    python -m bench.sampling_fidelity --shifted --threads 1          # fitted vs weight-only estimate
     python -m bench.sampling_fidelity --speed 128256x2048 --threads 1
 """
 
@@ -135,6 +142,37 @@ def speed(vocab: int, hidden: int, rounds: int = 5) -> None:
         )
 
 
+def shifted(fx: TrainedFixture, rows: int) -> None:
+    """Sampled rows' TV on shifted text, weight-only vs fitted tail estimate (see the module docstring)."""
+    from my_pkg.flashhead.calibration import calibrate_stage1
+    from my_pkg.flashhead.clustering import balanced_kmeans
+    from my_pkg.flashhead.tail_estimate import default_tail_rank, fit_tail_factors
+
+    res = balanced_kmeans(fx.weight, 16, iterations=20, seed=0, progress=False)
+    pinned = sorted({fx.eos_id, *fx.special_ids.values()})
+    vocab, hidden_size = fx.weight.shape
+    settings = " | ".join(f"TV T={t:g} top_p={p:g}" for t, p in SAMPLING_SETTINGS)
+    print(f"| stage 1 calibrated on | estimate | held-out source | scored | {settings} |")
+    print("|---|---|---|---:|" + "---:|" * len(SAMPLING_SETTINGS))
+    builds = {"model samples": fx.generated, "docstrings": fx.calibration, "code": fx.code_calibration}
+    for build, states in builds.items():
+        cal = calibrate_stage1(fx.weight, res.assignments, res.centroids, states, pinned_ids=pinned, seed=0)
+        factors = fit_tail_factors(fx.weight, vocab, default_tail_rank(hidden_size), states)
+        variants = [("weight-only", None, factors.rank), ("fitted to the calibration states", factors, factors.rank)]
+        if build == "model samples":  # the default build: what a lower rank buys
+            variants += [(f"fitted, rank {r}", factors, r) for r in (factors.rank // 2, factors.rank // 4)]
+        for estimate, fitted, rank in variants:
+            head = FlashHead(
+                fx.weight, cal.centroids, res.assignments, n_probes=cal.n_probes, sampled_rank=rank, tail_factors=fitted
+            )
+            for source in ("docstrings", "code"):
+                if source != build:
+                    (result,) = serving_fidelity(head, fx.source(source)[1][:rows], [cal.n_probes], pinned=pinned)
+                    name = f"{build} ({cal.n_probes} probes)"
+                    fraction = result.sampling[0].scored_fraction
+                    print(_row(f"{name} | {estimate} | {source}", fraction, result.sampling), flush=True)
+
+
 def _row(name: str, fraction: float, tv: list) -> str:
     """One table row; ``tv`` holds a mean per setting, or a ``SamplingFidelity`` (mean / p90 / max)."""
     cells = [
@@ -157,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         help="more sampled-row settings: probes (or n: the greedy rows' n_probes), estimate rank and "
         "rescored tail tokens (default: the head's)",
     )
+    ap.add_argument("--shifted", action="store_true", help="fitted vs weight-only estimate on shifted text instead")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -167,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         speed(vocab, hidden)
         return 0
     fx = load_trained_fixture(args.fixture)
+    if args.shifted:
+        print(machine_description())
+        print(f"Command: `{command_line()}`\n")
+        shifted(fx, args.rows or 2048)
+        return 0
     hidden = fx.heldout if args.rows is None else fx.heldout[: args.rows]
     pinned = sorted({fx.eos_id, *fx.special_ids.values()})
     pins = torch.tensor(pinned)

@@ -343,11 +343,15 @@ def _build(args) -> int:
     print(f"clustered in {time.perf_counter() - t0:.1f} s")
     centroids = res.centroids
     record = {"source": "none", "reason": getattr(args, "weight_only_reason", "--no-calibration")}
+    tail = None
     if calibration is not None:
         centroids, n_probes, record = _calibrate(
             args, weight, res, calibration, stop_and_special_token_ids(args.model_dir, config), device
         )
+        tail = _fit_tail(weight, calibration[0], device)
+        record["tail_estimate"] = {"rank": tail.rank, "states": int(calibration[0].shape[0])}
     path = save_clustering_cache(target, centroids, res.assignments)
+    _write_tail(target, tail)
     update_config(target, n_probes, calibration=record)
     if v % args.cluster_size:
         print(
@@ -418,6 +422,30 @@ def _calibrate(
     return cal.centroids, cal.n_probes, record
 
 
+def _fit_tail(weight, hidden, device: str):
+    """Sampled rows' tail estimate fitted to the calibration states (``tail_estimate.safetensors``)."""
+    from .flashhead.tail_estimate import default_tail_rank, fit_tail_factors
+
+    t0 = time.perf_counter()
+    rank = min(default_tail_rank(weight.shape[1]), *weight.shape)
+    factors = fit_tail_factors(weight.to(device), weight.shape[0], rank, hidden.to(device))
+    print(
+        f"fitted the rank-{rank} tail estimate of sampled rows to the calibration states in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    return factors
+
+
+def _write_tail(target, factors) -> None:
+    """Write the fitted tail estimate, or remove a stale one (a weight-only build serves the weight-only estimate)."""
+    from .flashhead.assets import CACHE_DIR_NAME, TAIL_FILE_NAME, save_tail_factors
+
+    if factors is not None:
+        save_tail_factors(target, factors)
+    else:
+        (Path(target) / CACHE_DIR_NAME / TAIL_FILE_NAME).unlink(missing_ok=True)
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -444,7 +472,14 @@ def _eval(args) -> int:
     import json
 
     from .flashhead import FlashHead
-    from .flashhead.assets import CALIBRATION_KEY, load_assets, load_lm_head, read_config, stop_and_special_token_ids
+    from .flashhead.assets import (
+        CALIBRATION_KEY,
+        load_assets,
+        load_lm_head,
+        load_tail_factors,
+        read_config,
+        stop_and_special_token_ids,
+    )
     from .flashhead.evaluate import (
         capture_hidden_states,
         dense_agreement,
@@ -494,6 +529,7 @@ def _eval(args) -> int:
         n_probes=settings.n_probes,
         sampled_n_probes=settings.sampled_n_probes,
         sampled_rank=rank,
+        tail_factors=load_tail_factors(args.model_dir, config),
     )
     if args.probes is not None:
         probes = sorted({min(p, head.num_clusters) for p in args.probes})
@@ -509,6 +545,7 @@ def _eval(args) -> int:
                     "hidden_states": int(hidden.shape[0]),
                     "dtype": _dtype_name(weight.dtype),
                     "calibration": config.get(CALIBRATION_KEY),
+                    "tail_estimate": "fitted" if head.tail_fitted else "weight-only",
                     "results": [r.as_dict() for r in fidelity],
                 },
                 indent=2,
@@ -534,7 +571,8 @@ def _eval(args) -> int:
     print()
     print(
         f"serving fidelity: the logits a server hands to vLLM's sampler ({len(pinned)} pinned ids scored on "
-        "every row; sampled rows estimate the logits outside the clusters they probe)"
+        "every row; sampled rows estimate the logits outside the clusters they probe with the "
+        + ("estimate fitted to the calibration states)" if head.tail_fitted else "weight-only estimate)")
     )
     print(format_fidelity_table(fidelity))
     return 0

@@ -7,6 +7,9 @@ Cache layout (compatible with the public FlashHead plugin)::
     MODEL_DIR/flash_head_assets/clustering_cache.safetensors
         centroids            float32 [hidden, clusters]   (hidden-major; leading singleton dims accepted)
         cluster_assignments  int64   [vocab]              (cluster id of every vocabulary row)
+    MODEL_DIR/flash_head_assets/tail_estimate.safetensors      (optional; read by this package only)
+        left, right          float32 [hidden, rank]       (factors of sampled rows' tail estimate,
+                                                             fitted to the calibration states)
 
 Assets whose clusters are not all the same size (vocabulary not a multiple of the cluster
 size) load here but not in the public plugin, which requires equal sizes.
@@ -20,10 +23,13 @@ from pathlib import Path
 
 import torch
 
+from .tail_estimate import TailFactors
+
 __all__ = [
     "FlashHeadAssetError",
     "CACHE_DIR_NAME",
     "CACHE_FILE_NAME",
+    "TAIL_FILE_NAME",
     "CALIBRATION_KEY",
     "read_config",
     "find_head_key",
@@ -31,6 +37,8 @@ __all__ = [
     "save_clustering_cache",
     "load_clustering_cache",
     "load_assets",
+    "save_tail_factors",
+    "load_tail_factors",
     "update_config",
     "flashhead_architecture",
     "prepare_output_dir",
@@ -39,6 +47,7 @@ __all__ = [
 
 CACHE_DIR_NAME = "flash_head_assets"
 CACHE_FILE_NAME = "clustering_cache.safetensors"
+TAIL_FILE_NAME = "tail_estimate.safetensors"
 CALIBRATION_KEY = "flash_head_calibration"
 ARCH_PREFIX = "FlashHead"
 
@@ -192,6 +201,54 @@ def load_clustering_cache(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]
     return cent.t().float().contiguous(), assign.to(torch.int64)
 
 
+def _cache_dir(model_dir: str | Path, config: dict) -> Path:
+    cache_dir = Path(config.get("flash_head_cache_dir", CACHE_DIR_NAME))
+    return cache_dir if cache_dir.is_absolute() else Path(model_dir) / cache_dir
+
+
+def save_tail_factors(model_dir: str | Path, factors: TailFactors) -> Path:
+    """Write ``flash_head_assets/tail_estimate.safetensors`` (the fitted factors of the tail estimate)."""
+    from safetensors.torch import save_file
+
+    out = Path(model_dir) / CACHE_DIR_NAME
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / TAIL_FILE_NAME
+    tensors = {"left": factors.left, "right": factors.right}
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    return path
+
+
+def load_tail_factors(model_dir: str | Path, config: dict) -> TailFactors | None:
+    """The fitted factors of the tail estimate, or None when the assets have none (a weight-only build, or
+    assets from elsewhere: sampled rows then use the weight-only estimate).  Raises
+    :class:`FlashHeadAssetError` for a file that is unreadable or does not fit the model's hidden size."""
+    from safetensors import safe_open
+
+    path = _cache_dir(model_dir, config) / TAIL_FILE_NAME
+    if not path.exists():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            missing = {"left", "right"} - set(f.keys())
+            if missing:
+                raise FlashHeadAssetError(f"{path}: missing tensor(s) {sorted(missing)}")
+            left, right = f.get_tensor("left"), f.get_tensor("right")
+    except FlashHeadAssetError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a bad file
+        raise FlashHeadAssetError(f"cannot read {path}: {e}") from None
+    hidden = text_config(config).get("hidden_size", config.get("hidden_size"))
+    if left.dim() != 2 or left.shape != right.shape or left.shape[1] == 0:
+        raise FlashHeadAssetError(
+            f"{path}: left and right must both be [hidden, rank], got {tuple(left.shape)} and {tuple(right.shape)}"
+        )
+    if hidden is not None and left.shape[0] != int(hidden):
+        raise FlashHeadAssetError(f"{path}: hidden size {left.shape[0]} != model hidden_size {hidden}")
+    if not (torch.isfinite(left).all() and torch.isfinite(right).all()):
+        raise FlashHeadAssetError(f"{path}: non-finite values")
+    return TailFactors(left.float().contiguous(), right.float().contiguous())
+
+
 def load_assets(model_dir: str | Path, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Load and validate a model's FlashHead assets.
 
@@ -201,9 +258,7 @@ def load_assets(model_dir: str | Path, config: dict) -> tuple[torch.Tensor, torc
     (``vocab_size``), every cluster id is in ``[0, C)`` and every cluster is non-empty.
     Raises :class:`FlashHeadAssetError`.
     """
-    cache_dir = config.get("flash_head_cache_dir", CACHE_DIR_NAME)
-    cache_dir = Path(cache_dir) if Path(cache_dir).is_absolute() else Path(model_dir) / cache_dir
-    cent, assign = load_clustering_cache(cache_dir / CACHE_FILE_NAME)
+    cent, assign = load_clustering_cache(_cache_dir(model_dir, config) / CACHE_FILE_NAME)
     tc = text_config(config)
     hidden = tc.get("hidden_size", config.get("hidden_size"))
     vocab = tc.get("vocab_size", config.get("vocab_size"))

@@ -35,7 +35,7 @@ import torch
 from .kernels import load_backend, resolve_backend, torch_ref
 from .probes import select_probes as top_probes
 from .staging import index_tensor
-from .tail_estimate import TailTables, build_tail_tables, default_tail_rank
+from .tail_estimate import TailFactors, TailTables, build_tail_tables, default_tail_rank
 
 __all__ = [
     "FlashHead",
@@ -133,6 +133,8 @@ class FlashHead:
             logits (``0..H``, 0: ``-inf`` instead; default
             :func:`~my_pkg.flashhead.tail_estimate.default_tail_rank` of the hidden size).  Its
             tables are built on the first sampled row (a randomized SVD of the head, once).
+        tail_factors: the estimate fitted to calibration states (the assets' ``tail_estimate.safetensors``);
+            used at every ``sampled_rank`` up to its rank, above it (or when None) the weight-only fit.
         backend: ``"auto"`` or a registered backend name (:mod:`~my_pkg.flashhead.kernels`:
             ``"torch"``, ``"triton"``); ``auto`` takes Triton for CUDA tensors when it imports, else torch.
         allow_empty_clusters: accept clusters without a member (a head over one vocabulary shard
@@ -153,6 +155,7 @@ class FlashHead:
         sampled_n_probes: int | None = None,
         sampled_rank: int | None = None,
         allow_empty_clusters: bool = False,
+        tail_factors: TailFactors | None = None,
     ) -> None:
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
@@ -188,6 +191,7 @@ class FlashHead:
         self._sampled_n_probes: int | None = None
         self.sampled_n_probes = sampled_n_probes
         self._tail: TailTables | None = None
+        self._tail_factors = tail_factors
         self._sampled_rescore = default_sampled_rescore(v)
         self._sampled_rank = default_tail_rank(self.hidden_size)
         if sampled_rank is not None:
@@ -245,8 +249,17 @@ class FlashHead:
 
     def _tail_tables(self) -> TailTables:
         if self._tail is None:
-            self._tail = build_tail_tables(self.weight, self.vocab_size, min(self._sampled_rank, self.vocab_size))
+            rank, fitted = min(self._sampled_rank, self.vocab_size), self._tail_factors
+            if fitted is not None and fitted.rank >= rank:
+                self._tail = TailTables.from_factors(self.weight, self.vocab_size, fitted.truncated(rank))
+            else:
+                self._tail = build_tail_tables(self.weight, self.vocab_size, rank)
         return self._tail
+
+    @property
+    def tail_fitted(self) -> bool:
+        """Whether sampled rows' estimate is the one fitted to calibration states (else weight-only)."""
+        return self._tail_factors is not None and self._tail_factors.rank >= min(self._sampled_rank, self.vocab_size)
 
     def _check_probes(self, value, name: str = "n_probes") -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.num_clusters:

@@ -45,6 +45,7 @@ from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer
 from my_pkg.flashhead.probes import NO_KEY, ShardStage1, merge_probes
 from my_pkg.flashhead.settings import default_settings
 from my_pkg.flashhead.staging import index_tensor
+from my_pkg.flashhead.tail_estimate import TailFactors
 
 __all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller"]
 
@@ -72,8 +73,10 @@ class FlashHeadController:
         vocab_size: int,
         unavailable: tuple[ReasonCode, str] | None = None,
         pinned_ids: Iterable[int] = (),
+        tail_factors: TailFactors | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self._tail_factors = tail_factors  # sampled rows' estimate fitted at build time (None: weight-only)
         #: Scored exactly on every FlashHead row: EOS and special tokens of the model and its tokenizer.
         self.pinned_ids = tuple(sorted({int(i) for i in pinned_ids if 0 <= int(i) < vocab_size}))
         self.counters = Counters()
@@ -124,15 +127,16 @@ class FlashHeadController:
 
         `pinned_ids` (the tokenizer's EOS and special ids) are pinned beside the ids the model
         directory names (`stop_and_special_token_ids`)."""
-        centroids = assignments = None
+        centroids = assignments = tail_factors = None
         pinned = set(pinned_ids)
         if unavailable is None:
             try:
-                from my_pkg.flashhead.assets import load_assets, stop_and_special_token_ids
+                from my_pkg.flashhead.assets import load_assets, load_tail_factors, stop_and_special_token_ids
 
                 if model_dir is None:
                     raise FileNotFoundError("the model directory could not be resolved")
                 centroids, assignments = load_assets(Path(model_dir), config)
+                tail_factors = load_tail_factors(Path(model_dir), config)
                 pinned.update(stop_and_special_token_ids(model_dir, config))
             except Exception as exc:  # noqa: BLE001 - bad assets mean dense, never a crash
                 unavailable = ("assets_invalid", f"FlashHead assets could not be loaded: {exc}")
@@ -143,6 +147,7 @@ class FlashHeadController:
             vocab_size=vocab_size,
             unavailable=unavailable,
             pinned_ids=pinned,
+            tail_factors=tail_factors,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -212,6 +217,7 @@ class FlashHeadController:
                 backend=self.settings.backend,
                 sampled_n_probes=self.settings.sampled_n_probes,
                 sampled_rank=self._sampled_rank(weight.shape[1]),
+                tail_factors=self._tail_factors,
             )
             self.vocab_range = vocab_range
             self._pins = PinnedRows(self.pinned_ids, (start, end))

@@ -415,3 +415,29 @@ def test_pinned_ids_are_cached_per_stop_id_set_with_their_weight_rows(weight):
     for extra in range(20):  # a bounded cache
         pins.get((100 + extra,), weight)
     assert len(pins._cache) == pins.capacity
+
+
+def test_the_assets_fitted_tail_estimate_is_served_and_a_bad_one_leaves_the_head_dense(weight, tmp_path):
+    from safetensors.torch import save_file
+
+    from my_pkg.flashhead.assets import CACHE_DIR_NAME, TAIL_FILE_NAME, save_clustering_cache, save_tail_factors
+    from my_pkg.flashhead.tail_estimate import fit_tail_factors
+
+    assignments = torch.arange(VOCAB) % CLUSTERS
+    centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
+    save_clustering_cache(tmp_path, centroids, assignments)
+    config = {"flash_head_cache_dir": CACHE_DIR_NAME, "n_probes": 4, "hidden_size": HIDDEN, "vocab_size": VOCAB}
+    states = torch.randn(200, HIDDEN) * torch.linspace(0.1, 3.0, HIDDEN)
+    save_tail_factors(tmp_path, fit_tail_factors(weight, VOCAB, 4, states))
+    ctl = FlashHeadController.from_model_dir(str(tmp_path), config, vocab_size=VOCAB)
+    ctl.bind(weight)
+    assert ctl.available and ctl.head.tail_fitted
+
+    save_file(
+        {"left": torch.zeros(HIDDEN + 1, 4), "right": torch.zeros(HIDDEN + 1, 4)},
+        str(tmp_path / CACHE_DIR_NAME / TAIL_FILE_NAME),
+    )
+    bad = FlashHeadController.from_model_dir(str(tmp_path), config, vocab_size=VOCAB)
+    bad.bind(weight)
+    assert not bad.available and bad.head is None
+    assert bad.status().reason_code == "assets_invalid" and "tail_estimate" in bad.status().reason

@@ -153,7 +153,13 @@ def test_eval_json_reports_serving_fidelity_at_the_configured_probes(built_llama
     import json
 
     from my_pkg.flashhead import FlashHead
-    from my_pkg.flashhead.assets import load_assets, load_lm_head, read_config, stop_and_special_token_ids
+    from my_pkg.flashhead.assets import (
+        load_assets,
+        load_lm_head,
+        load_tail_factors,
+        read_config,
+        stop_and_special_token_ids,
+    )
     from my_pkg.flashhead.evaluate import serving_fidelity
 
     path, model = built_llama
@@ -166,6 +172,7 @@ def test_eval_json_reports_serving_fidelity_at_the_configured_probes(built_llama
     # How stage 1 was built (the default build self-calibrates): config.json's record, as written.
     assert report["calibration"] == read_config(path)["flash_head_calibration"]
     assert report["calibration"]["source"] == "self" and report["calibration"]["n_probes"] == 2
+    assert report["tail_estimate"] == "fitted"  # the self-calibrated build fits sampled rows' estimate
     (result,) = report["results"]
     assert result["n_probes"] == 2  # config.json's, as serving uses
     config = read_config(path)
@@ -179,7 +186,8 @@ def test_eval_json_reports_serving_fidelity_at_the_configured_probes(built_llama
     # The same numbers as the library computes on the served head, with the model's pinned ids.
     centroids, assignments = load_assets(path, config)
     weight, _ = load_lm_head(path, config)
-    head = FlashHead(weight, centroids, assignments, n_probes=2)
+    head = FlashHead(weight, centroids, assignments, n_probes=2, tail_factors=load_tail_factors(path, config))
+    assert head.tail_fitted
     (expected,) = serving_fidelity(head, hidden, [2], pinned=pinned)
     assert result["top1_agreement"] == pytest.approx(expected.top1_agreement)
     assert result["top5_agreement"] == pytest.approx(expected.top5_agreement)
