@@ -2,8 +2,8 @@
 
 For each model shape one random checkpoint is built (cached under ``--work-dir``) and converted
 with ``python -m my_pkg flashhead build --no-calibration`` (the builder's default ``n_probes``); few k-means
-iterations are used, since cluster quality changes which tokens come out, not how long a step takes.  One server serves the FlashHead model
-in float32.  Dense and FlashHead are compared on that same server by switching
+iterations are used, since cluster quality changes which tokens come out, not how long a step takes.
+One server serves the FlashHead model in float32.  Dense and FlashHead are compared on that same server by switching
 ``PUT /plugins/my_pkg/flashhead {"enabled": ...}`` between measurements, in the order
 dense, FlashHead, FlashHead, dense, ... over ``--rounds`` rounds so that drift cancels.
 
