@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-__all__ = ["stage1_scores", "select_probes", "candidate_ids", "candidate_logits", "token_logits"]
+__all__ = ["stage1_scores", "candidate_ids", "candidate_logits", "token_logits"]
 
 _SPARSE_OK: dict[torch.dtype, bool] = {}
 
@@ -42,17 +42,6 @@ _GROUPED_MIN_ROWS = 8
 def stage1_scores(hidden: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """``[B, C]`` centroid scores ``hidden @ centroids.T`` (in the centroids' dtype)."""
     return torch.nn.functional.linear(hidden.to(centroids.dtype), centroids)
-
-
-def select_probes(scores: torch.Tensor, n_probes: int) -> torch.Tensor:
-    """``[B, n_probes]`` the top-``n_probes`` clusters of each row (unsorted).
-
-    Deterministic: greedy and sampled rows alike take their top clusters, so a seeded request
-    reproduces.  Sampled rows get the mass outside their clusters from an estimate instead of
-    drawing clusters in proportion to the centroid softmax, which lost most of it on a trained
-    LM, as the top clusters alone do (docs/flashhead.md, "Sampling fidelity").
-    """
-    return torch.topk(scores, n_probes, dim=-1, sorted=False).indices
 
 
 def candidate_ids(members: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
