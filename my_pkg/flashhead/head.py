@@ -259,7 +259,8 @@ class FlashHead:
     @property
     def tail_fitted(self) -> bool:
         """Whether sampled rows' estimate is the one fitted to calibration states (else weight-only)."""
-        return self._tail_factors is not None and self._tail_factors.rank >= min(self._sampled_rank, self.vocab_size)
+        rank = min(self._sampled_rank, self.vocab_size)
+        return self._tail_factors is not None and 0 < rank <= self._tail_factors.rank
 
     def _check_probes(self, value, name: str = "n_probes") -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.num_clusters:

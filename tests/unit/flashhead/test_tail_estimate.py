@@ -92,6 +92,8 @@ def test_a_head_uses_fitted_factors_up_to_their_rank_and_the_weight_only_fit_abo
     probed = fitted.members[fitted.select_probes(hidden, n_probes=1)].reshape(3, -1)
     outside = torch.ones_like(logits, dtype=torch.bool).scatter_(1, probed, False)
     torch.testing.assert_close(logits[outside], expected[outside])
+    fitted.sampled_rank = 0  # no estimate at all
+    assert not fitted.tail_fitted
     fitted.sampled_rank = RANK + 1
     assert not fitted.tail_fitted
     assert fitted._tail_tables().rank == RANK + 1  # the weight-only fit at the higher rank
