@@ -322,6 +322,9 @@ class FlashHeadCounters(WorkerReply):
     )
 
 
+SampledEstimate = Literal["fitted", "weight_only", "off"]
+
+
 class FlashHeadState(WorkerReply):
     """The FlashHead controller's status of one worker (its `status()` dict)."""
 
@@ -338,6 +341,11 @@ class FlashHeadState(WorkerReply):
     probe_sampling: bool | None = None
     sampled_n_probes: int | None = None
     sampled_rank: int | None = None
+    sampled_estimate: SampledEstimate | None = Field(
+        default=None,
+        description="Sampled rows' estimate of the unprobed logits: `fitted` to the build's calibration states, "
+        "`weight_only`, or `off` (rank 0 or probe sampling off); null while no head is built.",
+    )
     pinned_token_ids: list[int] | None = None
     fidelity_every: int | None = None
     backend: str | None = None

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from my_pkg.contract import DenseReason, FlashHeadState, FlashHeadUpdate, ReasonCode, SpecState
+from my_pkg.contract import DenseReason, FlashHeadState, FlashHeadUpdate, ReasonCode, SampledEstimate, SpecState
 from my_pkg.engine.flashhead.pins import PinnedRows
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.spec import effective as effective_spec
@@ -488,6 +488,7 @@ class FlashHeadController:
             probe_sampling=self.settings.probe_sampling,
             sampled_n_probes=self._sampled_n_probes(),
             sampled_rank=self._status_sampled_rank(),
+            sampled_estimate=self._sampled_estimate(),
             pinned_token_ids=list(self.pinned_ids),
             fidelity_every=self.settings.fidelity_every,
             backend=head.backend if head is not None else None,
@@ -495,6 +496,14 @@ class FlashHeadController:
             counters=self.counters.snapshot(),
             spec=effective_spec(self.spec, active),
         )
+
+    def _sampled_estimate(self) -> SampledEstimate | None:
+        head = self.head
+        if head is None:
+            return None
+        if not self.settings.probe_sampling or head.sampled_rank == 0:
+            return "off"
+        return "fitted" if head.tail_fitted else "weight_only"
 
     def _sampled_rank(self, hidden_size: int) -> int:
         """The configured rank, at most the hidden size (the head refuses more)."""
@@ -561,6 +570,7 @@ def status_without_controller(code: ReasonCode = "no_assets", reason: str = NO_A
         probe_sampling=None,
         sampled_n_probes=None,
         sampled_rank=None,
+        sampled_estimate=None,
         pinned_token_ids=None,
         fidelity_every=None,
         backend=None,

@@ -441,3 +441,25 @@ def test_the_assets_fitted_tail_estimate_is_served_and_a_bad_one_leaves_the_head
     bad.bind(weight)
     assert not bad.available and bad.head is None
     assert bad.status().reason_code == "assets_invalid" and "tail_estimate" in bad.status().reason
+
+
+def test_the_status_says_which_estimate_sampled_rows_get(weight, tmp_path):
+    from my_pkg.flashhead.tail_estimate import fit_tail_factors
+
+    assignments = torch.arange(VOCAB) % CLUSTERS
+    centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
+    factors = fit_tail_factors(weight, VOCAB, 4, torch.randn(100, HIDDEN))
+    fitted = FlashHeadController(
+        centroids=centroids, assignments=assignments, config={"n_probes": 4}, vocab_size=VOCAB, tail_factors=factors
+    )
+    assert fitted.status().sampled_estimate is None  # no head yet
+    fitted.bind(weight)
+    assert fitted.status().sampled_estimate == "fitted"
+    fitted.head.sampled_rank = 8  # above the fitted rank (MY_PKG_FLASHHEAD_SAMPLED_RANK=8): the weight-only fit
+    assert fitted.status().sampled_estimate == "weight_only"
+    fitted.head.sampled_rank = 4
+    fitted.settings.probe_sampling = False  # MY_PKG_FLASHHEAD_PROBE_SAMPLING=0
+    assert fitted.status().sampled_estimate == "off"
+    plain = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": 4}, vocab_size=VOCAB)
+    plain.bind(weight)
+    assert plain.status().sampled_estimate == "weight_only"
