@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from e2e_support import ADMIN_TOKEN, DEFAULT_PROBES, NUM_CLUSTERS, auth, client
@@ -79,6 +80,9 @@ def test_default_probes_serve_greedy_and_sampled_requests(fh, flashhead_server):
     status = _status(fh)
     assert status["active"] and status["n_probes"] == DEFAULT_PROBES
     assert status["num_clusters"] == NUM_CLUSTERS and status["cluster_size"] == 16
+    # The build calibrated on the model's own samples, so sampled rows get the estimate it fitted to them.
+    record = json.loads((Path(flashhead_server.model) / "config.json").read_text())["flash_head_calibration"]
+    assert status["sampled_estimate"] == ("weight_only" if record["source"] == "none" else "fitted"), record
     before = status["counters"]["rows_flashhead"]
     greedy = _complete_all(fh, flashhead_server.model, PROMPTS[:3])
     sampled = _complete_all(
