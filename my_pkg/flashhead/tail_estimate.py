@@ -128,25 +128,23 @@ def _row_chunks(vocab_size: int) -> list[tuple[int, int]]:
 def _top_right_singular_vectors(
     weight: torch.Tensor, rank: int, seed: int, transform: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``[H, rank]`` float32: randomized SVD (range finder with power iterations) of ``weight @ transform``
-    (``transform`` ``[H, H]``, identity when None), by row chunks of ``weight``."""
+    """``[H, rank]`` float32: randomized SVD (range finder with power iterations) of ``A = weight @ transform``
+    (``transform`` ``[H, H]``, identity when None), by row chunks of ``weight``; ``A`` is never formed (the
+    transform multiplies the ``[H, k]`` sides), so the data-aware fit costs what the weight-only one does."""
     vocab, hidden = weight.shape
     k = min(hidden, vocab, rank + _OVERSAMPLE)
     chunks = _row_chunks(vocab)
     test = torch.randn(hidden, k, generator=torch.Generator().manual_seed(seed)).to(weight.device)
 
-    def rows(s: int, e: int) -> torch.Tensor:
-        block = weight[s:e].float()
-        return block if transform is None else block @ transform
+    def times(right: torch.Tensor) -> torch.Tensor:  # A @ right = W @ (T @ right): [V, k]
+        right = right if transform is None else transform @ right
+        return torch.cat([weight[s:e].float() @ right for s, e in chunks])
 
-    def times(right: torch.Tensor) -> torch.Tensor:  # A @ right: [V, k]
-        return torch.cat([rows(s, e) @ right for s, e in chunks])
-
-    def transposed_times(left: torch.Tensor) -> torch.Tensor:  # A.T @ left: [H, k]
+    def transposed_times(left: torch.Tensor) -> torch.Tensor:  # A.T @ left = T.T @ (W.T @ left): [H, k]
         out = torch.zeros(hidden, left.shape[1], device=weight.device)
         for s, e in chunks:
-            out.addmm_(rows(s, e).t(), left[s:e])
-        return out
+            out.addmm_(weight[s:e].float().t(), left[s:e])
+        return out if transform is None else transform.t() @ out
 
     q = torch.linalg.qr(times(test)).Q
     for _ in range(_POWER_ITERATIONS):
