@@ -23,6 +23,8 @@ Imports torch only.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = [
@@ -46,8 +48,13 @@ def cluster_keys(scores: torch.Tensor, first_id: int = 0) -> torch.Tensor:
     bits = scores.to(torch.float32).contiguous().view(torch.int32)
     flip = (bits >> 31).bitwise_and_(_SIGN_CLEAR)  # negative floats: reverse their magnitude order
     keys = bits.bitwise_xor(flip).to(torch.int64).mul_(_LOW)
-    ids = torch.arange(first_id, first_id + scores.shape[1], device=scores.device, dtype=torch.int64)
-    return keys.add_(_LOW - 1 - ids)
+    return keys.add_(_id_bits(first_id, scores.shape[1], scores.device))
+
+
+@functools.cache
+def _id_bits(first_id: int, count: int, device: torch.device) -> torch.Tensor:
+    """Low halves of the keys of clusters ``first_id .. first_id + count - 1``, made once, not per step."""
+    return (_LOW - 1) - torch.arange(first_id, first_id + count, device=device, dtype=torch.int64)
 
 
 def key_ids(keys: torch.Tensor, num_clusters: int) -> torch.Tensor:
