@@ -168,26 +168,30 @@ def save_clustering_cache(model_dir: str | Path, centroids: torch.Tensor, assign
     return path
 
 
-def load_clustering_cache(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read a cache file; return ``(centroids [C, H] float32, assignments [V] int64)`` without
-    cross-checking against a model (see :func:`load_assets`)."""
+def _read_tensors(path: Path, *names: str) -> list[torch.Tensor]:
+    """The tensors ``names`` of the safetensors file ``path``; :class:`FlashHeadAssetError` when it cannot be
+    read or lacks one."""
     from safetensors import safe_open
 
-    path = Path(path)
-    if not path.exists():
-        raise FlashHeadAssetError(f"{path} not found")
     try:
         with safe_open(str(path), framework="pt") as f:
-            keys = set(f.keys())
-            missing = {"centroids", "cluster_assignments"} - keys
+            missing = set(names) - set(f.keys())
             if missing:
                 raise FlashHeadAssetError(f"{path}: missing tensor(s) {sorted(missing)}")
-            cent = f.get_tensor("centroids")
-            assign = f.get_tensor("cluster_assignments")
+            return [f.get_tensor(name) for name in names]
     except FlashHeadAssetError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a bad file
         raise FlashHeadAssetError(f"cannot read {path}: {e}") from None
+
+
+def load_clustering_cache(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read a cache file; return ``(centroids [C, H] float32, assignments [V] int64)`` without
+    cross-checking against a model (see :func:`load_assets`)."""
+    path = Path(path)
+    if not path.exists():
+        raise FlashHeadAssetError(f"{path} not found")
+    cent, assign = _read_tensors(path, "centroids", "cluster_assignments")
     while cent.dim() > 2 and cent.shape[0] == 1:
         cent = cent[0]
     if cent.dim() != 2:
@@ -222,21 +226,10 @@ def load_tail_factors(model_dir: str | Path, config: dict) -> TailFactors | None
     """The fitted factors of the tail estimate, or None when the assets have none (a weight-only build, or
     assets from elsewhere: sampled rows then use the weight-only estimate).  Raises
     :class:`FlashHeadAssetError` for a file that is unreadable or does not fit the model's hidden size."""
-    from safetensors import safe_open
-
     path = _cache_dir(model_dir, config) / TAIL_FILE_NAME
     if not path.exists():
         return None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            missing = {"left", "right"} - set(f.keys())
-            if missing:
-                raise FlashHeadAssetError(f"{path}: missing tensor(s) {sorted(missing)}")
-            left, right = f.get_tensor("left"), f.get_tensor("right")
-    except FlashHeadAssetError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a bad file
-        raise FlashHeadAssetError(f"cannot read {path}: {e}") from None
+    left, right = _read_tensors(path, "left", "right")
     hidden = text_config(config).get("hidden_size", config.get("hidden_size"))
     if left.dim() != 2 or left.shape != right.shape or left.shape[1] == 0:
         raise FlashHeadAssetError(
