@@ -249,9 +249,9 @@ class FlashHead:
 
     def _tail_tables(self) -> TailTables:
         if self._tail is None:
-            rank, fitted = min(self._sampled_rank, self.vocab_size), self._tail_factors
-            if fitted is not None and fitted.rank >= rank:
-                self._tail = TailTables.from_factors(self.weight, self.vocab_size, fitted.truncated(rank))
+            rank = min(self._sampled_rank, self.vocab_size)
+            if self.tail_fitted:
+                self._tail = TailTables.from_factors(self.weight, self.vocab_size, self._tail_factors.truncated(rank))
             else:
                 self._tail = build_tail_tables(self.weight, self.vocab_size, rank)
         return self._tail
