@@ -35,7 +35,7 @@ import torch
 from .kernels import load_backend, resolve_backend, torch_ref
 from .probes import select_probes as top_probes
 from .staging import index_tensor
-from .tail_estimate import TailFactors, TailTables, build_tail_tables, default_tail_rank
+from .tail_estimate import TailFactors, TailTables, build_tail_tables, default_tail_rank, top_k_ids
 
 __all__ = [
     "FlashHead",
@@ -383,23 +383,36 @@ class FlashHead:
     ) -> torch.Tensor:
         """Step logits before the pinned ids, each row probing the clusters ``probes``; ``sampled`` marks the
         sampled rows (None: none)."""
-        all_sampled = sampled is not None and bool(sampled.all())
-        ids, exact = self._kernels().candidate_logits(
+        kernels = self._kernels()
+        if sampled is not None and bool(sampled.all()) and self._sampled_rank:
+            # Every row samples: its rescored tail tokens are scored in the candidates' pass over the head.
+            raw = self._tail_tables().estimates(hidden)
+            rescored = self._rescored(raw, torch_ref.candidate_ids(self.members, probes))
+            ids, exact = kernels.candidate_logits(
+                hidden, self.weight, self.members, probes, token_cluster=self._token_cluster, extra_ids=rescored
+            )
+            return post(raw).to(exact.dtype).scatter_(1, ids, post(exact))
+        ids, exact = kernels.candidate_logits(
             hidden, self.weight, self.members, probes, token_cluster=self._token_cluster
         )
         exact = post(exact)
-        if all_sampled and self._sampled_rank:
-            out = self._estimates(hidden, ids, post, exact.dtype)
-        else:
-            out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device)
-            if sampled is not None and self._sampled_rank:
-                index = index_tensor(np.flatnonzero(sampled), hidden.device)
-                out.index_copy_(
-                    0,
-                    index,
-                    self._estimates(hidden.index_select(0, index), ids.index_select(0, index), post, exact.dtype),
-                )
+        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device)
+        if sampled is not None and self._sampled_rank:
+            index = index_tensor(np.flatnonzero(sampled), hidden.device)
+            out.index_copy_(
+                0,
+                index,
+                self._estimates(hidden.index_select(0, index), ids.index_select(0, index), post, exact.dtype),
+            )
         return out.scatter_(1, ids, exact)
+
+    def _rescored(self, raw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """``[B, k]`` the ``sampled_rescore`` tokens outside the candidates ``ids`` with the best raw estimates
+        (None when there are none), chosen before ``post`` (a soft-cap can tie large estimates, the raw ones
+        rank them).  Sets ``raw`` to ``-inf`` at ``ids`` in place: the caller writes their exact logits there."""
+        raw.scatter_(1, ids, float("-inf"))
+        k = min(self._sampled_rescore, self.vocab_size - ids.shape[1])
+        return top_k_ids(raw, k) if k > 0 else None
 
     def _estimates(
         self, hidden: torch.Tensor, ids: torch.Tensor, post: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
@@ -407,9 +420,7 @@ class FlashHead:
         """``[B, V]`` estimated logits of sampled rows; the ``sampled_rescore`` best-estimated tokens outside
         the candidates ``ids`` are scored exactly (the tail tokens most likely to carry mass)."""
         raw = self._tail_tables().estimates(hidden)
-        k = min(self._sampled_rescore, self.vocab_size - ids.shape[1])
-        # Chosen before ``post``: a soft-cap can tie large estimates, the raw ones rank them.
-        best = torch.topk(raw.scatter(1, ids, float("-inf")), k, dim=1, sorted=False).indices if k > 0 else None
+        best = self._rescored(raw, ids)
         out = post(raw).to(dtype)
         if best is not None:
             out.scatter_(1, best, post(torch_ref.token_logits(hidden, self.weight, best)).to(dtype))

@@ -41,6 +41,7 @@ import torch
 __all__ = [
     "TailFactors",
     "TailTables",
+    "top_k_ids",
     "build_tail_tables",
     "fit_tail_factors",
     "default_tail_rank",
@@ -56,6 +57,9 @@ _POWER_ITERATIONS = 2
 # Eigenvalues of the states' second moment below this fraction of the largest are raised to it: a
 # direction the states never take must not blow up ``S⁻¹``.
 _EIGEN_FLOOR = 1e-3
+# Tokens per block when choosing the best-estimated ones (:func:`top_k_ids`): 4 was fastest on CPU
+# at 128,256 tokens (2, 8 and 16 within 25 %).
+_SELECT_BLOCK = 4
 
 
 def default_tail_rank(hidden_size: int) -> int:
@@ -119,6 +123,25 @@ class TailTables:
     def estimates(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, V]`` estimated logits of every token for ``hidden`` ``[B, H]``."""
         return (hidden.to(self.basis.dtype) @ self.basis) @ self.projected.t()
+
+
+def top_k_ids(values: torch.Tensor, k: int) -> torch.Tensor:
+    """``[B, k]`` column ids (unordered) of the ``k`` largest ``values`` ``[B, N]`` of each row, ``k <= N``:
+    the values ``torch.topk`` gives (on equal values either id).
+
+    Blocks of ``_SELECT_BLOCK`` columns first: a column among the ``k`` best lies in one of the ``k`` blocks
+    with the best maxima (or in the last, partial block, always kept), so the exact top-``k`` runs over
+    about ``k * _SELECT_BLOCK`` values instead of ``N`` (about half of one ``topk`` over a vocabulary on CPU)."""
+    rows, width = values.shape
+    blocks = width // _SELECT_BLOCK
+    block_max = values[:, : blocks * _SELECT_BLOCK].unfold(1, _SELECT_BLOCK, _SELECT_BLOCK).amax(2)
+    best_blocks = block_max.topk(min(k, blocks), dim=1, sorted=False).indices
+    offsets = torch.arange(_SELECT_BLOCK, device=values.device)
+    ids = (best_blocks.unsqueeze(2) * _SELECT_BLOCK + offsets).view(rows, -1)
+    if blocks * _SELECT_BLOCK < width:
+        rest = torch.arange(blocks * _SELECT_BLOCK, width, device=values.device)
+        ids = torch.cat([ids, rest.expand(rows, -1)], dim=1)
+    return ids.gather(1, values.gather(1, ids).topk(k, dim=1, sorted=False).indices)
 
 
 def _row_chunks(vocab_size: int) -> list[tuple[int, int]]:

@@ -3,13 +3,14 @@
 A backend is a module with one function::
 
     candidate_logits(hidden [B,H], weight [V',H], members [C,cap] int64, probes [B,P] int64, *,
-                     token_cluster [V'] int64 | None = None)
-        -> (token_ids [B, P*cap] int64, logits [B, P*cap] in weight dtype)
+                     token_cluster [V'] int64 | None = None, extra_ids [B,N] int64 | None = None)
+        -> (token_ids [B, P*cap (+ N)] int64, logits [B, P*cap (+ N)] in weight dtype)
 
-``token_ids[b]`` are ``members[probes[b]]`` flattened and ``logits[b, j]`` is
-``weight[token_ids[b, j]] . hidden[b]``.  ``token_cluster`` (each head row's cluster id, ``C`` for
-rows in no cluster; ``None`` when a cluster is empty) lets a backend score a batch cluster by cluster
-instead of row by row; a backend may ignore it.  Registered here:
+``token_ids[b]`` are ``members[probes[b]]`` flattened, then ``extra_ids[b]`` when given (a sampled
+row's rescored tail tokens), and ``logits[b, j]`` is ``weight[token_ids[b, j]] . hidden[b]``.
+``token_cluster`` (each head row's cluster id, ``C`` for rows in no cluster; ``None`` when a cluster
+is empty) lets a backend score a batch cluster by cluster instead of row by row; a backend may ignore
+it.  Registered here:
 
 * ``torch`` (:mod:`.torch_ref`): pure torch, every device; the CPU path and the reference;
 * ``triton`` (:mod:`.triton_kernels`): CUDA, imported only when chosen and Triton imports.

@@ -165,13 +165,19 @@ def candidate_logits(
     probes: torch.Tensor,
     *,
     token_cluster: torch.Tensor | None = None,
+    extra_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact logits of every candidate: ``(token_ids [B, P*cap], logits [B, P*cap])``.
 
     ``token_cluster`` (``[V']``, each head row's cluster, ``C`` for none) lets a CPU batch be scored
-    cluster by cluster (:func:`_logits_grouped`), with the same values bit for bit."""
+    cluster by cluster (:func:`_logits_grouped`), with the same values bit for bit.  ``extra_ids``
+    (``[B, N]``, any token ids) are scored with the candidates and appended after them (``[B, P*cap + N]``):
+    in one pass over the head, so a head row that is one row's candidate and another's extra is read once."""
     hidden = hidden.to(weight.dtype)
     ids = candidate_ids(members, probes)
+    if extra_ids is not None:
+        ids = torch.cat([ids, extra_ids.to(ids.dtype)], dim=1)
+        return ids, token_logits(hidden, weight, ids)
     if hidden.device.type != "cpu":
         return ids, _logits_gather(hidden, weight, ids)
     # The CSR pattern allows at most ``V'`` entries per row (only hit when padding duplicates
@@ -188,7 +194,10 @@ def _tokens_grouped(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     once for the batch; the same values bit for bit).  The ``(row, token)`` pairs are sorted by token."""
     b, n = ids.shape
     device = hidden.device
-    keys, order = torch.sort((ids * b + torch.arange(b, device=device).view(b, 1)).reshape(-1))
+    # int32 keys when they fit: the sort is the pattern's largest cost, and about twice as fast on them.
+    key_dtype = torch.int32 if weight.shape[0] * b < 2**31 else torch.int64
+    keys = ids.to(key_dtype) * b + torch.arange(b, dtype=key_dtype, device=device).view(b, 1)
+    keys, order = torch.sort(keys.reshape(-1))
     rows = keys // b
     crow = torch.zeros(weight.shape[0] + 1, dtype=torch.int64, device=device)
     torch.cumsum(torch.bincount(rows, minlength=weight.shape[0]), 0, out=crow[1:])
@@ -196,7 +205,7 @@ def _tokens_grouped(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
         warnings.simplefilter("ignore")
         pattern = torch.sparse_csr_tensor(
             crow,
-            keys - rows * b,
+            (keys - rows * b).long(),
             torch.zeros(keys.numel(), dtype=weight.dtype, device=device),
             size=(weight.shape[0], b),
             check_invariants=False,

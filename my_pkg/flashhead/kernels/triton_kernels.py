@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import torch_ref
+
 __all__ = ["candidate_logits"]
 
 _BLOCK_H = 128
@@ -93,9 +95,15 @@ def candidate_logits(
     probes: torch.Tensor,
     *,
     token_cluster: torch.Tensor | None = None,
+    extra_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact logits of every candidate: ``(token_ids [B, P*cap] int64, logits [B, P*cap])``
-    (``token_cluster`` is not needed: one program per (row, probe) reads each cluster in place)."""
+    (``token_cluster`` is not needed: one program per (row, probe) reads each cluster in place).
+    ``extra_ids`` ``[B, N]`` are scored by :func:`~.torch_ref.token_logits` and appended."""
+    if extra_ids is not None:
+        ids, logits = candidate_logits(hidden, weight, members, probes)
+        extra = torch_ref.token_logits(hidden, weight, extra_ids)
+        return torch.cat([ids, extra_ids.to(ids.dtype)], dim=1), torch.cat([logits, extra.to(logits.dtype)], dim=1)
     hidden, members, probes, cap, block_m = _prep(hidden, weight, members, probes)
     b, p = probes.shape
     ids = torch.empty(b, p * cap, dtype=torch.int64, device=weight.device)

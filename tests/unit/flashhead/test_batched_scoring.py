@@ -115,3 +115,24 @@ def test_grouped_token_logits_equal_the_row_by_row_ones_bit_for_bit(rows):
     grouped = torch_ref.token_logits(hidden, weight, ids)
     assert torch.equal(grouped, torch_ref._logits_sparse(hidden, weight, ids))
     torch.testing.assert_close(grouped, torch.einsum("bnh,bh->bn", weight[ids], hidden), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 16])
+def test_sampled_rows_score_candidates_and_rescored_tokens_in_one_pass_with_the_same_logits(rows):
+    """An all-sampled batch scores each row's rescored tail tokens in its candidates' pass (``extra_ids``);
+    a mixed batch scores them in a pass of their own. The sampled rows' logits are the same bit for bit."""
+    head = _head(n_probes=4)
+    head.sampled_rescore = 30
+    hidden = _hidden(rows, seed=6)
+    alone = head.step_logits(hidden, sampled=np.ones(rows, bool))
+    with_greedy = head.step_logits(torch.cat([hidden, hidden]), sampled=np.arange(2 * rows) < rows)
+    assert torch.equal(alone, with_greedy[:rows])
+    probes = head.select_probes(hidden)
+    extra = torch.stack([torch.randperm(VOCAB, generator=torch.Generator().manual_seed(r))[:30] for r in range(rows)])
+    ids, logits = torch_ref.candidate_logits(
+        hidden, head.weight, head.members, probes, token_cluster=head._token_cluster, extra_ids=extra
+    )
+    cand_ids, cand = head.candidate_logits(hidden, probes)
+    assert torch.equal(ids, torch.cat([cand_ids, extra], dim=1))
+    assert torch.equal(logits[:, : cand.shape[1]], cand)
+    torch.testing.assert_close(logits[:, cand.shape[1] :], torch.einsum("bnh,bh->bn", head.weight[extra], hidden))

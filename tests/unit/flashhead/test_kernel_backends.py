@@ -74,6 +74,15 @@ def check_case(backend: str, shape: tuple[int, ...], dtype: torch.dtype) -> None
     assert int(ids.max()) < vocab  # padding rows of the weight are never candidates
     want = torch.einsum("bnh,bh->bn", head.weight[ids].double(), hidden.double())
     assert _violations(logits, want, TOLERANCES[dtype]) == 0, (logits - want).abs().max()
+    # A sampled row's rescored tail tokens (``extra_ids``) come after the candidates, scored the same way.
+    extra = torch.stack([torch.randperm(vocab, generator=torch.Generator().manual_seed(r))[:3] for r in range(batch)])
+    both_ids, both = head._kernels().candidate_logits(
+        hidden, head.weight, head.members, chosen, token_cluster=head._token_cluster, extra_ids=extra
+    )
+    assert torch.equal(both_ids, torch.cat([ids, extra], dim=1)) and both.dtype == dtype
+    want_extra = torch.einsum("bnh,bh->bn", head.weight[extra].double(), hidden.double())
+    assert _violations(both[:, ids.shape[1] :], want_extra, TOLERANCES[dtype]) == 0
+    assert _violations(both[:, : ids.shape[1]], want, TOLERANCES[dtype]) == 0
     # What serving gets: exact on the candidates (and pinned ids), -inf elsewhere, for any backend.
     pins = torch.tensor([0, vocab - 1])
     step = head.step_logits(hidden, sampled=np.zeros(batch, bool), pinned=pins)

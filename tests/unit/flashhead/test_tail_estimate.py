@@ -15,7 +15,13 @@ from my_pkg.flashhead.assets import (
     load_tail_factors,
     save_tail_factors,
 )
-from my_pkg.flashhead.tail_estimate import TailFactors, TailTables, build_tail_tables, fit_tail_factors
+from my_pkg.flashhead.tail_estimate import (
+    TailFactors,
+    TailTables,
+    build_tail_tables,
+    fit_tail_factors,
+    top_k_ids,
+)
 from tests.support.heads import random_head
 
 VOCAB, HIDDEN, RANK = 640, 48, 6
@@ -131,3 +137,17 @@ def test_a_bad_tail_file_is_an_asset_error(tmp_path, tensors, message):
     save_file(tensors, str(tmp_path / CACHE_DIR_NAME / TAIL_FILE_NAME))
     with pytest.raises(FlashHeadAssetError, match=message):
         load_tail_factors(tmp_path, {"hidden_size": HIDDEN})
+
+
+@pytest.mark.parametrize("width", [4, 7, 640, 643])
+@pytest.mark.parametrize("k", [1, 3, 100, 400])
+def test_top_k_ids_picks_the_values_topk_picks(width, k):
+    k = min(k, width)
+    values = torch.randn(5, width, generator=torch.Generator().manual_seed(width + k))
+    values[1, : width // 2] = float("-inf")  # excluded tokens (a row's candidates)
+    values[2, -1] = 100.0  # the best value in the last, partial block
+    k = min(k, width - width // 2)
+    got = top_k_ids(values, k)
+    assert got.shape == (5, k) and all(len(set(row.tolist())) == k for row in got)
+    want = torch.topk(values, k, dim=1).values
+    assert torch.equal(values.gather(1, got).sort(dim=1, descending=True).values, want)
