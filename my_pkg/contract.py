@@ -82,7 +82,7 @@ WORKER_METHOD_NAMES: Final = (
 CONFIG_SECTIONS: Final = ("scheduler", "model", "cache", "parallel")
 
 #: Fields of `FlashHeadUpdate`, in the order the API documents them.
-UPDATE_FIELDS: Final = ("enabled", "n_probes", "dense_batch_threshold")
+UPDATE_FIELDS: Final = ("enabled", "n_probes", "dense_batch_threshold", "draft_n_probes")
 
 
 # ---- replies ---------------------------------------------------------------------------------------
@@ -193,14 +193,25 @@ SpecReasonCode = Literal[
     "spec_hook_failed",
     "no_draft_head",
     "draft_head_not_supported",
+    "draft_not_loaded",
+    "draft_hook_failed",
+    "draft_no_assets",
+    "draft_vocab_mismatch",
+    "draft_head_unavailable",
 ]
 #: One line per `SpecReasonCode`, in its order (docs/flashhead-serving.md's table is generated from it).
 SPEC_REASON_CODES: Final[dict[str, str]] = {
     "flashhead_inactive": "FlashHead is not active on this model (see `reason_code`)",
-    "model_runner_v2": "Model Runner V2 verify rows are not served by FlashHead in this version",
+    "model_runner_v2": "Model Runner V2 verify rows and drafts are not served by FlashHead in this version",
     "spec_hook_failed": "vLLM's speculative-decoding metadata could not be hooked (a vLLM internal moved)",
     "no_draft_head": "the drafter has no LM head (n-gram, suffix decoding)",
-    "draft_head_not_supported": "FlashHead as the drafter's head is not implemented in this version",
+    "draft_head_not_supported": "FlashHead as this method's draft head is not implemented in this version "
+    "(only `draft_model` drafters: EAGLE, EAGLE-3, MTP and Medusa heads stay dense)",
+    "draft_not_loaded": "the drafter is not loaded yet (decided right after vLLM loads it)",
+    "draft_hook_failed": "vLLM's drafter could not be hooked (a vLLM internal moved)",
+    "draft_no_assets": "the draft model has no FlashHead assets (no `flash_head_cache_dir` in its config.json)",
+    "draft_vocab_mismatch": "the drafter's vocabulary differs from the target's",
+    "draft_head_unavailable": "the draft model's FlashHead head cannot serve (its assets or its LM head, see `reason`)",
 }
 
 
@@ -222,6 +233,11 @@ class SpecState(WorkerReply):
     )
     verify: SpecPart
     draft: SpecPart
+    draft_n_probes: int | None = Field(
+        default=None,
+        description="Clusters the drafter's FlashHead head probes per draft token; null when the drafter has "
+        "no FlashHead head (see `draft`).",
+    )
 
 
 class DenseReason(IntEnum):
@@ -320,6 +336,13 @@ class FlashHeadCounters(WorkerReply):
     rows_flashhead_verify_pinned: int = Field(
         default=0, description="Of `rows_flashhead_verify`: sampled verify rows whose draft token was scored exactly."
     )
+    rows_flashhead_draft: int = Field(
+        default=0,
+        description="Speculative-decoding draft rows served by the drafter's FlashHead head (not in `rows_flashhead`).",
+    )
+    rows_dense_draft: int = Field(
+        default=0, description="Draft rows of a FlashHead drafter served by its dense head (FlashHead off, a fallback)."
+    )
 
 
 SampledEstimate = Literal["fitted", "weight_only", "off"]
@@ -400,6 +423,7 @@ class SettingsValues(BaseModel):
     enabled: bool | None = None
     n_probes: int | None = None
     dense_batch_threshold: int | None = None
+    draft_n_probes: int | None = None
 
 
 class PrepareReply(RankedReply):
@@ -509,11 +533,19 @@ class FlashHeadUpdate(BaseModel):
         description="Decode steps with more rows than this use the dense head (>= 0); null: never (the default, "
         "so a request's text does not depend on the server's load).",
     )
+    draft_n_probes: ProbeCount | None = Field(
+        default=None,
+        description="Clusters the drafter's FlashHead head probes per draft token under speculative decoding (>= 1, "
+        "at most the draft model's clusters; refused unless FlashHead serves the drafter's head, `spec.draft`).",
+        json_schema_extra=_absent_not_null,
+    )
 
     @model_validator(mode="after")
     def _given_fields_valid(self) -> FlashHeadUpdate:
         nulls = [
-            name for name in ("enabled", "n_probes") if name in self.model_fields_set and getattr(self, name) is None
+            name
+            for name in ("enabled", "n_probes", "draft_n_probes")
+            if name in self.model_fields_set and getattr(self, name) is None
         ]
         if nulls:
             raise ValueError(f"{', '.join(repr(n) for n in nulls)} must not be null (leave the field out to keep it)")

@@ -68,11 +68,15 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
     fidelity_agreed = counter("fidelity_agreed", "Checked rows whose FlashHead best token is a dense argmax.")
     rows_verify = counter("rows_verify", "Speculative-decoding verify rows served by FlashHead (of path=flashhead).")
     rows_verify_pinned = counter("rows_verify_pinned", "Sampled verify rows whose draft token was scored exactly.")
+    rows_draft = counter(
+        "rows_draft", "Speculative-decoding draft rows served by the drafter's FlashHead head (not in path=flashhead)."
+    )
     available = gauge("available", "1 when the model has FlashHead assets and nothing rules FlashHead out.")
     enabled = gauge("enabled", "1 when FlashHead is enabled.")
     active = gauge("active", "1 when FlashHead is in use now.")
     n_probes = gauge("n_probes", "Clusters probed per token.")
     threshold = gauge("dense_batch_threshold", "Decode steps with more rows than this use the dense head.")
+    draft_n_probes = gauge("draft_n_probes", "Clusters the drafter's FlashHead head probes per draft token.")
     age = GaugeMetricFamily(
         "my_pkg_status_snapshot_age_seconds",
         "Seconds since the workers' status these metrics come from was requested.",
@@ -96,6 +100,7 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         fidelity_agreed.add_metric(labels, counters.fidelity_agreed)
         rows_verify.add_metric(labels, counters.rows_flashhead_verify)
         rows_verify_pinned.add_metric(labels, counters.rows_flashhead_verify_pinned)
+        rows_draft.add_metric(labels, counters.rows_flashhead_draft)
         available.add_metric(labels, state.available)
         enabled.add_metric(labels, state.enabled)
         active.add_metric(labels, state.active)
@@ -103,6 +108,8 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
             n_probes.add_metric(labels, state.n_probes)
         if state.dense_batch_threshold is not None:
             threshold.add_metric(labels, state.dense_batch_threshold)
+        if state.spec is not None and state.spec.draft_n_probes is not None:
+            draft_n_probes.add_metric(labels, state.spec.draft_n_probes)
     if snapshot is not None:
         age.add_metric([], snapshot.age())
     return [
@@ -114,11 +121,13 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         fidelity_agreed,
         rows_verify,
         rows_verify_pinned,
+        rows_draft,
         available,
         enabled,
         active,
         n_probes,
         threshold,
+        draft_n_probes,
         age,
     ]
 

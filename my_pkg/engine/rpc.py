@@ -264,7 +264,10 @@ def my_pkg_flashhead_prepare(self: Any, update: dict[str, Any], txn: dict[str, A
     ledger = _ledger(self)
     state = _flashhead_state(self)
     before = SettingsValues(
-        enabled=state.enabled, n_probes=state.n_probes, dense_batch_threshold=state.dense_batch_threshold
+        enabled=state.enabled,
+        n_probes=state.n_probes,
+        dense_batch_threshold=state.dense_batch_threshold,
+        draft_n_probes=state.spec.draft_n_probes if state.spec is not None else None,
     )
     conflict = ledger.conflict(transaction)
     errors = [] if conflict is not None else _update_errors(self, update)

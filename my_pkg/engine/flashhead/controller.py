@@ -89,6 +89,8 @@ class FlashHeadController:
         self.vocab_range: tuple[int, int] | None = None  # this rank's vocabulary shard under tensor parallelism
         self.stage1: ShardStage1 | None = None  # this rank's share of the centroids under tensor parallelism
         self.spec: SpecState | None = None  # speculative decoding's parts (`flashhead/spec.py`), set by its maker
+        #: Under speculative decoding, the drafter's own controller when FlashHead serves its head (`draft.py`).
+        self.draft: FlashHeadController | None = None
         self._centroids = centroids
         self._assignments = assignments
         self.unavailable_code: ReasonCode | None = None
@@ -493,9 +495,15 @@ class FlashHeadController:
             fidelity_every=self.settings.fidelity_every,
             backend=head.backend if head is not None else None,
             extra_memory_bytes=self.extra_memory_bytes,
-            counters=self.counters.snapshot(),
-            spec=effective_spec(self.spec, active),
+            counters=self.counters.snapshot(self.draft.counters if self.draft is not None else None),
+            spec=effective_spec(self._spec_with_draft(), active),
         )
+
+    def _spec_with_draft(self) -> SpecState | None:
+        """`spec` with the drafter's probe count when FlashHead serves the drafter's head."""
+        if self.spec is None or self.draft is None:
+            return self.spec
+        return self.spec.model_copy(update={"draft_n_probes": self.draft.settings.n_probes})
 
     def _sampled_estimate(self) -> SampledEstimate | None:
         head = self.head
@@ -531,22 +539,44 @@ class FlashHeadController:
 
     def validate(self, update: FlashHeadUpdate) -> list[str]:
         """What the served model refuses in `update` (the contract has checked its fields and types):
-        FlashHead must be available, and `n_probes` at most the number of clusters."""
+        FlashHead must be available, `n_probes` at most the number of clusters, and `draft_n_probes` needs
+        a FlashHead drafter (`draft`) and at most its clusters."""
         update = _as_update(update)
         if not self.available:
             return [f"FlashHead is not available on this model: {self.unavailable_reason}"]
         if update.n_probes is not None and self.num_clusters is not None and update.n_probes > self.num_clusters:
             return [f"n_probes must be <= the number of clusters ({self.num_clusters})"]
+        if update.draft_n_probes is not None:
+            if self.draft is None:
+                part = self.spec.draft.reason_code if self.spec is not None else "no speculative decoding"
+                return [f"draft_n_probes: FlashHead does not serve the drafter's head on this model ({part})"]
+            clusters = self.draft.num_clusters
+            if clusters is not None and update.draft_n_probes > clusters:
+                return [f"draft_n_probes must be <= the draft model's number of clusters ({clusters})"]
         return []
 
     def apply(self, update: FlashHeadUpdate) -> None:
-        """Apply an update that `validate` accepted; effective from the next step."""
+        """Apply an update that `validate` accepted; effective from the next step. `draft_n_probes` is the
+        drafter's `n_probes`; `enabled` and `dense_batch_threshold` apply to the drafter's head too."""
         update = _as_update(update)
-        for name in update.model_fields_set:
+        for name in update.model_fields_set - {"draft_n_probes"}:
             setattr(self.settings, name, getattr(update, name))
         if update.n_probes is not None and self.head is not None:
             self.head.n_probes = update.n_probes
-        logger.info("my_pkg: FlashHead settings now %s", asdict(self.settings))
+        draft = self.draft
+        if draft is not None:  # the drafter's head: its own probe count, the target's switch and threshold
+            for name in ("enabled", "dense_batch_threshold"):
+                if name in update.model_fields_set:
+                    setattr(draft.settings, name, getattr(update, name))
+            if update.draft_n_probes is not None:
+                draft.settings.n_probes = update.draft_n_probes
+                if draft.head is not None:
+                    draft.head.n_probes = update.draft_n_probes
+        logger.info(
+            "my_pkg: FlashHead settings now %s%s",
+            asdict(self.settings),
+            f", draft_n_probes={draft.settings.n_probes}" if draft is not None else "",
+        )
 
 
 def _as_update(update: FlashHeadUpdate | dict[str, Any]) -> FlashHeadUpdate:

@@ -1,9 +1,12 @@
 """FlashHead's parts under speculative decoding, as the status route reports them (`SpecState`).
 
 Verify: the target's verify and bonus rows, served by FlashHead under the V1 model runner
-(`patches/model_runner.py`). Draft: the drafter's head, always dense in this version. Each part
-has its own `reason_code` (`contract.SpecReasonCode`); FlashHead stays on for every other row.
-Imports the contract (and the vLLM-free `vllm_uses` helper) only; vLLM's config reaches it as a plain argument.
+(`patches/model_runner.py`). Draft: the drafter's head, served by FlashHead when the drafter is a
+draft model (`method: draft_model`) that is itself a FlashHead checkpoint with the target's vocabulary
+(`flashhead/draft.py`, `patches/spec_proposer.py`); decided when vLLM loads the drafter, right after
+the target. Each part has its own `reason_code` (`contract.SpecReasonCode`); FlashHead stays on for
+every other row. Imports the contract (and the vLLM-free `vllm_uses` helper) only; vLLM's config
+reaches it as a plain argument.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ VLLM_SYMBOLS = (
     *attributes("vllm.config:SpeculativeConfig", "method", "num_speculative_tokens", "draft_sample_method"),
 )
 
-__all__ = ["MODEL_FREE_METHODS", "effective", "spec_state"]
+__all__ = ["DRAFT_HEAD_METHODS", "MODEL_FREE_METHODS", "effective", "spec_state", "with_draft"]
 
 #: Speculative methods whose drafts come without an LM head.
 MODEL_FREE_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
+#: Speculative methods whose drafter's head FlashHead can serve: a separate draft model.
+DRAFT_HEAD_METHODS = frozenset({"draft_model"})
 
 
 def _part(code: str | None, detail: str | None = None) -> SpecPart:
@@ -31,9 +36,13 @@ def _part(code: str | None, detail: str | None = None) -> SpecPart:
     return SpecPart(active=False, reason_code=code, reason=reason)
 
 
-def spec_state(speculative_config: Any, *, v2: bool, hook_error: str | None) -> SpecState | None:
+def spec_state(
+    speculative_config: Any, *, v2: bool, hook_error: str | None, draft_hook_error: str | None = None
+) -> SpecState | None:
     """The parts for this configuration (None without speculative decoding). `v2`: vLLM runs Model
-    Runner V2; `hook_error`: why V1's speculative metadata is not hooked (None when it is)."""
+    Runner V2; `hook_error`: why V1's speculative metadata is not hooked (None when it is);
+    `draft_hook_error`: why vLLM's drafter is not hooked (None when it is). A draft model's part is
+    `draft_not_loaded` until the drafter is loaded (`with_draft`)."""
     if speculative_config is None:
         return None
     method = getattr(speculative_config, "method", None)
@@ -44,7 +53,16 @@ def spec_state(speculative_config: Any, *, v2: bool, hook_error: str | None) -> 
         verify = _part("spec_hook_failed", hook_error)
     else:
         verify = _part(None)
-    draft = _part("no_draft_head" if method in MODEL_FREE_METHODS else "draft_head_not_supported")
+    if method in MODEL_FREE_METHODS:
+        draft = _part("no_draft_head")
+    elif method not in DRAFT_HEAD_METHODS:
+        draft = _part("draft_head_not_supported")
+    elif v2:
+        draft = _part("model_runner_v2")
+    elif draft_hook_error is not None:
+        draft = _part("draft_hook_failed", draft_hook_error)
+    else:
+        draft = _part("draft_not_loaded")
     pin = getattr(speculative_config, "draft_sample_method", "greedy") != "probabilistic"
     return SpecState(
         method=None if method is None else str(method),
@@ -53,6 +71,14 @@ def spec_state(speculative_config: Any, *, v2: bool, hook_error: str | None) -> 
         verify=verify,
         draft=draft,
     )
+
+
+def with_draft(spec: SpecState | None, code: str | None, detail: str | None = None) -> SpecState | None:
+    """`spec` with the drafter's part decided: served by FlashHead (`code` None) or dense for `code` (a
+    `SpecReasonCode`) and its `detail`. The status fills in `draft_n_probes` from the drafter's head."""
+    if spec is None:
+        return None
+    return spec.model_copy(update={"draft": _part(code, detail), "draft_n_probes": None})
 
 
 def effective(spec: SpecState | None, flashhead_active: bool) -> SpecState | None:

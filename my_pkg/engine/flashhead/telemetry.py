@@ -33,17 +33,21 @@ class Counters:
     rows_flashhead_verify: int = 0  # of rows_flashhead: speculative decoding's verify rows
     rows_flashhead_verify_pinned: int = 0  # of those: sampled rows whose draft token was scored exactly
 
-    def snapshot(self) -> FlashHeadCounters:
+    def snapshot(self, draft: Counters | None = None) -> FlashHeadCounters:
+        """The contract's counters; `draft`: the drafter's FlashHead head's own counters under speculative
+        decoding, reported as the draft rows (its fallbacks count with the target's)."""
         return FlashHeadCounters(
             steps=self.steps,
             rows_flashhead=self.rows_flashhead,
             rows_dense=dict(sorted(self.rows_dense.items())),
-            fallbacks=self.fallbacks,
+            fallbacks=self.fallbacks + (draft.fallbacks if draft is not None else 0),
             head_seconds=round(self.head_seconds, 6),
             fidelity_rows=self.fidelity_rows,
             fidelity_agreed=self.fidelity_agreed,
             rows_flashhead_verify=self.rows_flashhead_verify,
             rows_flashhead_verify_pinned=self.rows_flashhead_verify_pinned,
+            rows_flashhead_draft=draft.rows_flashhead if draft is not None else 0,
+            rows_dense_draft=sum(draft.rows_dense.values()) if draft is not None else 0,
         )
 
 

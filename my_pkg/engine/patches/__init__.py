@@ -15,6 +15,8 @@ raises), and is idempotent. Two moments install them:
    - `model_runner`: which logits call is the decode step of the V1 GPU/CPU model runner, what
      each row asked for, and the head built right after the weights load.
    - `model_runner_v2`: the same for Model Runner V2 (the CUDA default).
+   - `spec_proposer`: FlashHead as the drafter's head under speculative decoding (a draft model that
+     is itself a FlashHead checkpoint): vLLM's `SpecDecodeBaseProposer`.
    `runner_hooks` holds what the two runner hooks share and the lookups of a runner's or a
    worker's controller.
 """
@@ -35,7 +37,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 #: Applied by `my_pkg.engine.register()` in every process.
 PATCHES = ("worker", "model_registry")
 #: Installed by `on_flashhead_model()`, once a FlashHead model is about to be built.
-FLASHHEAD_HOOKS = ("logits_processor", "model_runner", "model_runner_v2")
+FLASHHEAD_HOOKS = ("logits_processor", "model_runner", "model_runner_v2", "spec_proposer")
 
 _NOT_TRIED = "not installed (no FlashHead architecture was resolved in this process)"
 _hook_errors: dict[str, str | None] = {}

@@ -92,6 +92,7 @@ VLLM_SYMBOLS = (
     *attributes("vllm.config:VllmConfig", "model_config", "parallel_config", "speculative_config", "lora_config"),
     *attributes("vllm.config:ModelConfig", "model", "dtype", "revision", "hf_config", "head_dtype"),
     *attributes("vllm.config:ParallelConfig", "pipeline_parallel_size"),
+    *attributes("vllm.config:SpeculativeConfig", "method", "target_model_config"),
     *attributes("vllm.lora.layers.logits_processor:LogitsProcessorWithLoRA", "base_layer"),
     *attributes(
         "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding",
@@ -159,7 +160,7 @@ def _make_controller(org_vocab_size: int) -> Any:
     from my_pkg.engine.patches import runner_hook_failure
 
     if _building_drafter():
-        return None  # a drafter's own logits processor: the drafter's head stays dense (`spec.draft`)
+        return _make_draft_controller(vllm_config, config, org_vocab_size)
     unsupported = _unsupported_reason(vllm_config) or runner_hook_failure(vllm_config)
     controller = FlashHeadController.from_model_dir(
         _resolve_model_dir(model_config),
@@ -170,6 +171,32 @@ def _make_controller(org_vocab_size: int) -> Any:
     )
     controller.spec = _spec_state(vllm_config)
     return controller
+
+
+def _make_draft_controller(vllm_config: Any, config: dict[str, Any], org_vocab_size: int) -> Any:
+    """The drafter's own controller (`flashhead/draft.py`) while vLLM builds a draft model (`draft_model`)
+    with FlashHead assets beside a FlashHead target; None for every other drafter, whose head stays dense
+    (`spec.draft` says why once the drafter is loaded)."""
+    from my_pkg.engine.flashhead.controller import FlashHeadController
+    from my_pkg.engine.flashhead.draft import configure_draft
+    from my_pkg.engine.flashhead.spec import DRAFT_HEAD_METHODS
+
+    speculative_config = getattr(vllm_config, "speculative_config", None)
+    if getattr(speculative_config, "method", None) not in DRAFT_HEAD_METHODS:
+        return None
+    target_config = getattr(getattr(speculative_config, "target_model_config", None), "hf_config", None)
+    if not getattr(target_config, "flash_head_cache_dir", None):
+        return None  # reported by nobody: the status route reports the target's FlashHead, which has none
+    model_config = vllm_config.model_config
+    unsupported = _unsupported_reason(vllm_config)
+    controller = FlashHeadController.from_model_dir(
+        _resolve_model_dir(model_config),
+        config,
+        vocab_size=org_vocab_size,
+        unavailable=unsupported,
+        pinned_ids=tokenizer_stop_and_special_ids(model_config) if unsupported is None else (),
+    )
+    return configure_draft(controller, config)
 
 
 #: `vllm.compilation.backends.model_tag` while vLLM builds a speculative drafter.
@@ -190,12 +217,14 @@ def _building_drafter() -> bool:
 def _spec_state(vllm_config: Any) -> Any:
     """Speculative decoding's parts for this configuration (None without it)."""
     from my_pkg.engine.flashhead.spec import spec_state
+    from my_pkg.engine.patches import hook_error
     from my_pkg.engine.patches.model_runner import spec_hook_error
 
     return spec_state(
         getattr(vllm_config, "speculative_config", None),
         v2=bool(getattr(vllm_config, "use_v2_model_runner", False)),
         hook_error=spec_hook_error(),
+        draft_hook_error=hook_error("spec_proposer"),
     )
 
 

@@ -97,7 +97,7 @@ async def test_threshold_zero_is_valid(app_client, engine):
     assert _state(engine) == [(True, 4, 0), (True, 4, 0)]
 
 
-@pytest.mark.parametrize("field", ["n_probes", "dense_batch_threshold"])
+@pytest.mark.parametrize("field", ["n_probes", "dense_batch_threshold", "draft_n_probes"])
 @pytest.mark.parametrize("value", [2**31, 2**64, 2**64 + 1, 1e300])
 async def test_integers_beyond_the_bound_are_422_not_503(field, value, app_client, engine, assert_error):
     err = assert_error(await app_client.put(URL, json={field: value}), 422, "invalid_request_error")

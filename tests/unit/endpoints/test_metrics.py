@@ -61,11 +61,12 @@ async def test_metrics_route(app, client_for):
                 "fidelity_agreed",
                 "rows_verify",
                 "rows_verify_pinned",
+                "rows_draft",
             )
         },
         **{
             f"my_pkg_flashhead_{name}": "gauge"
-            for name in ("available", "enabled", "active", "n_probes", "dense_batch_threshold")
+            for name in ("available", "enabled", "active", "n_probes", "dense_batch_threshold", "draft_n_probes")
         },
         "my_pkg_status_snapshot_age_seconds": "gauge",
     }

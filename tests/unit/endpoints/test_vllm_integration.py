@@ -169,7 +169,7 @@ async def test_openapi_lists_routes_and_models(vllm_app):
     schemas = spec["components"]["schemas"]
     upd = schemas["FlashHeadUpdate"]
     assert upd["additionalProperties"] is False
-    assert set(upd["properties"]) == {"enabled", "n_probes", "dense_batch_threshold"}
+    assert set(upd["properties"]) == {"enabled", "n_probes", "dense_batch_threshold", "draft_n_probes"}
     for name in ("WorkerInfo", "FlashHeadStatus", "ErrorResponse", "ErrorInfo"):
         assert name in schemas
     # nothing outside our prefix came from us

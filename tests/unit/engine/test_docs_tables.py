@@ -65,7 +65,7 @@ def test_every_code_the_engine_writes_is_declared():
         r'"(\w+)" if "lora" in',
         r'"lora" in type\(layer\).__name__.lower\(\) else "(\w+)"',
     )
-    spec_patterns = (r'_part\(\s*"(\w+)"', r'"(\w+)" if method in')
+    spec_patterns = (r'_part\(\s*"(\w+)"', r'"(\w+)" if method in', r'\("(draft_\w+)", ')
     codes, reasons, spec_codes = set(), set(), set()
     engine = ROOT / "my_pkg" / "engine"
     for path in [*(engine / "flashhead").rglob("*.py"), *(engine / "patches").rglob("*.py")]:
@@ -81,6 +81,7 @@ def test_every_code_the_engine_writes_is_declared():
     assert codes <= set(contract.REASON_CODES), codes - set(contract.REASON_CODES)
     assert reasons <= set(contract.DENSE_ROW_REASONS), reasons - set(contract.DENSE_ROW_REASONS)
     assert {"model_runner_v2", "spec_hook_failed", "no_draft_head", "flashhead_inactive"} <= spec_codes
+    assert {"draft_no_assets", "draft_vocab_mismatch", "draft_head_unavailable", "draft_hook_failed"} <= spec_codes
     assert spec_codes <= set(contract.SPEC_REASON_CODES), spec_codes - set(contract.SPEC_REASON_CODES)
 
 

@@ -45,10 +45,12 @@ RESOLVE_FLASHHEAD = textwrap.dedent(
         model_cls = ModelRegistry.models["FlashHeadLlamaForCausalLM"].load_model_cls()
     from my_pkg.engine import patches
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     extra = {"model_cls": model_cls.__name__,
              "hook_errors": {n: patches.hook_error(n) for n in patches.FLASHHEAD_HOOKS},
              "no_controller": patches.no_controller_status().model_dump(include={"reason_code", "reason"}),
-             "runner_hooked": getattr(GPUModelRunner.execute_model, "_my_pkg_wrapped", False)}
+             "runner_hooked": getattr(GPUModelRunner.execute_model, "_my_pkg_wrapped", False),
+             "drafter_hooked": getattr(SpecDecodeBaseProposer._greedy_sample, "_my_pkg_wrapped", False)}
     """
 )
 
@@ -87,8 +89,13 @@ def test_register_applies_every_patch_once_and_imports_lazily():
     assert result["model_cls"] == "LlamaForCausalLM"
     assert result["logits_processor"] == "FlashHeadLogitsProcessor"
     # One entry installed every FlashHead hook, when the architecture was resolved.
-    assert result["hook_errors"] == {"logits_processor": None, "model_runner": None, "model_runner_v2": None}
-    assert result["runner_hooked"] is True
+    assert result["hook_errors"] == {
+        "logits_processor": None,
+        "model_runner": None,
+        "model_runner_v2": None,
+        "spec_proposer": None,
+    }
+    assert result["runner_hooked"] is True and result["drafter_hooked"] is True
     assert result["no_controller"]["reason_code"] == "no_assets"
 
 

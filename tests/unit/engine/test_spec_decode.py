@@ -18,6 +18,7 @@ from my_pkg.engine.patches import model_runner, model_runner_v2
 
 VOCAB, HIDDEN, CAP = 256, 16, 16
 NGRAM = SimpleNamespace(method="ngram", num_speculative_tokens=3, draft_sample_method="greedy")
+DRAFT_MODEL = SimpleNamespace(method="draft_model", num_speculative_tokens=3, draft_sample_method="greedy")
 
 
 def _fake_runner(num_reqs: int, temperatures, dense: dict[str, int], speculative_config=NGRAM):
@@ -199,13 +200,9 @@ def test_steps_the_hooks_mark_dense_and_wrong_row_counts_are_counted(controller)
         (NGRAM, False, None, None, "no_draft_head"),
         (SimpleNamespace(method="suffix", num_speculative_tokens=4), False, None, None, "no_draft_head"),
         (SimpleNamespace(method="eagle3", num_speculative_tokens=3), False, None, None, "draft_head_not_supported"),
-        (
-            SimpleNamespace(method="draft_model", num_speculative_tokens=3),
-            False,
-            None,
-            None,
-            "draft_head_not_supported",
-        ),
+        (SimpleNamespace(method="mtp", num_speculative_tokens=1), False, None, None, "draft_head_not_supported"),
+        (DRAFT_MODEL, False, None, None, "draft_not_loaded"),  # decided when the drafter loads (test_spec_draft)
+        (DRAFT_MODEL, True, None, "model_runner_v2", "model_runner_v2"),
         (NGRAM, True, None, "model_runner_v2", "no_draft_head"),
         (NGRAM, False, "moved", "spec_hook_failed", "no_draft_head"),
     ],
@@ -216,6 +213,12 @@ def test_each_part_has_its_own_reason_code(config, v2, hook_error, verify, draft
     assert not state.draft.active and state.draft.reason_code == draft and state.draft.reason
     assert state.method == config.method and state.pin_drafts is (verify is None)
     assert spec_state(None, v2=v2, hook_error=hook_error) is None
+
+
+def test_a_draft_models_part_says_when_the_drafter_could_not_be_hooked():
+    state = spec_state(DRAFT_MODEL, v2=False, hook_error=None, draft_hook_error="moved")
+    assert state.verify.active and state.draft.reason_code == "draft_hook_failed" and "moved" in state.draft.reason
+    assert spec_state(NGRAM, v2=False, hook_error=None, draft_hook_error="moved").draft.reason_code == "no_draft_head"
 
 
 def test_the_status_shows_the_parts_and_no_part_is_active_while_flashhead_is_not(controller):
@@ -241,7 +244,7 @@ def test_speculative_decoding_no_longer_turns_flashhead_off():
     assert logits_processor._unsupported_reason(config) is None
 
 
-def test_a_drafter_being_built_gets_no_controller():
+def test_a_drafter_being_built_is_told_apart_from_the_target():
     from vllm.compilation.backends import set_model_tag
 
     from my_pkg.engine.patches import logits_processor

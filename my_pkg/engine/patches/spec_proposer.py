@@ -1,0 +1,131 @@
+"""FlashHead as the drafter's head: hooks vLLM's `SpecDecodeBaseProposer` (the draft-model, EAGLE and
+MTP drafters' base class).
+
+Installed with every FlashHead hook (`patches.on_flashhead_model`, before the target is built, so
+before the drafter loads):
+
+- `load_model(target_model)`: right after vLLM loads the drafter, finds the target's controller and
+  the drafter's (`flashhead/draft.py`), decides the draft part (`draft.refusal`, `draft.link`) and
+  builds the drafter's head, so that vLLM's KV-cache sizing counts its memory.
+- `_greedy_sample(hidden_states)`: the one call through which a drafter picks its greedy draft tokens
+  (`compute_logits(...).argmax(-1)`); with a linked FlashHead drafter it runs armed with the step's
+  rows (`draft.draft_rows`), so the drafter's `compute_logits` goes through FlashHead. Probabilistic
+  drafting of sampled requests (`draft_sample_method: probabilistic`) does not call it and stays dense:
+  its draft probabilities must be the dense law.
+
+Either hook that fails leaves vLLM's drafter as it is (dense), logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from my_pkg.engine.flashhead.controller import FlashHeadController
+from my_pkg.engine.patches.runner_hooks import CONTROLLER_ATTR, WRAPPED, require, run_armed, warn_once
+from my_pkg.engine.vllm_uses import attributes, symbol
+
+TARGET = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
+#: What the hooks rely on beyond their imports (`my_pkg.devtools.compat` checks it).
+VLLM_SYMBOLS = (
+    symbol(
+        "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model",
+        "method",
+        params=("self", "target_model"),
+    ),
+    symbol(
+        "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._greedy_sample",
+        "method",
+        params=("self", "hidden_states"),
+    ),
+    *attributes("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "model"),
+    *attributes("vllm.config:ModelConfig", "enable_sleep_mode"),
+)
+#: Where the linked drafter's controller is kept on the proposer.
+DRAFT_ATTR = "_my_pkg_flashhead_draft"
+
+
+def controller_in(model: Any) -> FlashHeadController | None:
+    """The first FlashHead controller among `model`'s modules (a wrapper's `unwrap()` first)."""
+    if model is None:
+        return None
+    unwrap = getattr(model, "unwrap", None)
+    if callable(unwrap):
+        model = unwrap()
+    for module in model.modules():
+        controller = module.__dict__.get(CONTROLLER_ATTR)
+        if isinstance(controller, FlashHeadController):
+            return controller
+    return None
+
+
+def link_drafter(proposer: Any, target_model: Any) -> None:
+    """Decide the draft part of the target's status, and build the drafter's head when it is FlashHead."""
+    from my_pkg.engine.flashhead.draft import link, refusal
+
+    proposer.__dict__.pop(DRAFT_ATTR, None)
+    target = controller_in(target_model)
+    spec = target.spec if target is not None else None
+    if spec is None or spec.draft.reason_code != "draft_not_loaded":
+        return  # no FlashHead target, or a part decided by the configuration (model-free, V2, other methods)
+    draft = controller_in(getattr(proposer, "model", None))
+    refused = refusal(proposer, target, draft)
+    if refused is None and draft is not None:
+        _build(proposer, draft)
+        if not draft.available:
+            refused = ("draft_head_unavailable", draft.unavailable_reason)
+    link(target, draft, refused)
+    if refused is None:
+        proposer.__dict__[DRAFT_ATTR] = draft
+
+
+def _build(proposer: Any, draft: FlashHeadController) -> None:
+    """Build the drafter's head over the drafter's LM head (as `runner_hooks.prepare_after_load` does the
+    target's); under sleep mode, or when the LM head is not one module, its first logits call does."""
+    from my_pkg.engine.patches.logits_processor import build_head
+    from my_pkg.engine.patches.runner_hooks import _lm_head_of
+
+    if draft.head is not None or getattr(getattr(proposer, "draft_model_config", None), "enable_sleep_mode", False):
+        return
+    model = proposer.model
+    unwrap = getattr(model, "unwrap", None)
+    lm_head = _lm_head_of(unwrap() if callable(unwrap) else model)
+    if lm_head is not None:
+        build_head(draft, lm_head)
+
+
+def apply() -> None:
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    require((SpecDecodeBaseProposer, "load_model"), (SpecDecodeBaseProposer, "_greedy_sample"))
+    original_load = SpecDecodeBaseProposer.load_model
+    original_greedy = SpecDecodeBaseProposer._greedy_sample
+
+    @functools.wraps(original_load)
+    def load_model(self, target_model, *args, **kwargs):
+        result = original_load(self, target_model, *args, **kwargs)
+        try:
+            link_drafter(self, target_model)
+        except Exception as exc:  # noqa: BLE001 - the drafter stays dense
+            self.__dict__.pop(DRAFT_ATTR, None)
+            warn_once("drafter load_model", exc)
+        return result
+
+    @functools.wraps(original_greedy)
+    def greedy_sample(self, hidden_states, *args, **kwargs):
+        draft = self.__dict__.get(DRAFT_ATTR)
+        if draft is None:
+            return original_greedy(self, hidden_states, *args, **kwargs)
+        try:
+            from my_pkg.engine.flashhead.draft import draft_rows
+
+            rows = draft_rows(int(hidden_states.shape[0]))
+        except Exception as exc:  # noqa: BLE001 - this step's drafts are dense
+            warn_once("drafter _greedy_sample", exc)
+            return original_greedy(self, hidden_states, *args, **kwargs)
+        return run_armed(draft, lambda: rows, lambda: original_greedy(self, hidden_states, *args, **kwargs))
+
+    for name, hook in (("load_model", load_model), ("_greedy_sample", greedy_sample)):
+        if not getattr(getattr(SpecDecodeBaseProposer, name), WRAPPED, False):  # applying twice wraps once
+            setattr(hook, WRAPPED, True)
+            setattr(SpecDecodeBaseProposer, name, hook)

@@ -1,0 +1,285 @@
+"""FlashHead as the drafter's head (`method: draft_model`): vLLM's real `DraftModelProposer._greedy_sample`
+(hooked) over a draft model with vLLM's `ParallelLMHead` and our logits processor; the draft part of the
+status, its counters, its refusals and its fallback."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from my_pkg.contract import FlashHeadState
+from my_pkg.engine.flashhead import FlashHeadController
+from my_pkg.engine.flashhead.draft import configure_draft, default_draft_n_probes, draft_rows, refusal
+from my_pkg.engine.flashhead.spec import spec_state
+
+VOCAB, HIDDEN, CAP = 256, 16, 16
+CLUSTERS = VOCAB // CAP
+DRAFT_MODEL = SimpleNamespace(method="draft_model", num_speculative_tokens=3, draft_sample_method="greedy")
+
+
+def _assets(weight: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assignments = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed)) % CLUSTERS
+    centroids = torch.stack([weight[assignments == c].mean(0) for c in range(CLUSTERS)])
+    return centroids, assignments
+
+
+def _model(controller: FlashHeadController | None, seed: int) -> torch.nn.Module:
+    """A vLLM-built model as the hooks see it: a `ParallelLMHead`, our logits processor holding
+    `controller`, and `compute_logits` as vLLM's Llama has it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from my_pkg.engine.patches import logits_processor
+
+    class Model(torch.nn.Module):
+        def compute_logits(self, hidden_states):
+            return self.logits_processor(self.lm_head, hidden_states)
+
+    model = Model()
+    model.lm_head = ParallelLMHead(VOCAB, HIDDEN, disable_tp=True)
+    model.lm_head.weight.requires_grad_(False)
+    model.lm_head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(seed)))
+    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)  # as vLLM's loader does
+    model.logits_processor = logits_processor.subclass()(VOCAB)
+    model.logits_processor._my_pkg_flashhead = controller
+    return model
+
+
+@pytest.fixture
+def setup(flashhead_hooks):
+    """A FlashHead target (its status knows a draft model is configured) and vLLM's real draft-model
+    proposer over a FlashHead draft model, not yet loaded."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    with set_current_vllm_config(VllmConfig()):
+        target_weight = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(1))
+        centroids, assignments = _assets(target_weight, 1)
+        target = FlashHeadController(
+            centroids=centroids,
+            assignments=assignments,
+            config={"n_probes": 2},
+            vocab_size=VOCAB,
+        )
+        target.spec = spec_state(DRAFT_MODEL, v2=False, hook_error=None, draft_hook_error=None)
+        target_model = _model(target, 1)
+        target.prepare(target_model.lm_head.weight)
+        draft_model = _model(None, 2)
+        centroids, assignments = _assets(draft_model.lm_head.weight.detach(), 2)
+        draft = configure_draft(
+            FlashHeadController(centroids=centroids, assignments=assignments, config={}, vocab_size=VOCAB),
+            {"n_probes": 3},
+        )
+        draft_model.logits_processor._my_pkg_flashhead = draft
+        proposer = object.__new__(DraftModelProposer)  # what `load_model` leaves on it, nothing else
+        proposer.__dict__.update(
+            method="draft_model",
+            use_heterogeneous_vocab=False,
+            use_local_argmax_reduction=False,
+            model=draft_model,
+            draft_model_config=SimpleNamespace(
+                hf_config=SimpleNamespace(flash_head_cache_dir="flash_head_assets"), enable_sleep_mode=False
+            ),
+        )
+        yield SimpleNamespace(target=target, target_model=target_model, draft=draft, proposer=proposer)
+
+
+def _dense_argmax(setup, hidden):
+    return (hidden @ setup.proposer.model.lm_head.weight.detach().T).argmax(-1)
+
+
+def test_the_draft_part_is_decided_when_the_drafter_loads_and_its_head_is_built_then(setup):
+    from my_pkg.engine.patches import spec_proposer
+
+    assert setup.target.status().spec.draft.reason_code == "draft_not_loaded"
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+    assert setup.draft.head is not None  # before vLLM sizes the KV cache
+    assert setup.target.draft is setup.draft
+    state = FlashHeadState.model_validate(setup.target.status().model_dump())
+    assert state.spec.draft.active and state.spec.draft.reason_code is None
+    assert state.spec.draft_n_probes == 3 and state.n_probes == 2  # its own probe count
+    assert state.spec.verify.active
+
+
+def test_greedy_drafts_go_through_the_drafters_flashhead_head_and_are_counted_apart(setup):
+    from my_pkg.engine.patches import spec_proposer
+
+    proposer, draft = setup.proposer, setup.draft
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(proposer._greedy_sample(hidden), _dense_argmax(setup, hidden))  # not linked yet: vLLM's own
+    spec_proposer.link_drafter(proposer, setup.target_model)
+
+    drafts = proposer._greedy_sample(hidden)  # vLLM's own method, hooked
+    expected = draft.head.step_logits(hidden).argmax(-1)
+    assert torch.equal(drafts, expected)
+    counters = setup.target.status().counters
+    assert counters.rows_flashhead_draft == 5 and counters.rows_flashhead == 0 and counters.steps == 0
+    assert not draft.armed  # the arming is consumed by the one call
+    # Every cluster probed: the dense drafter's argmax.
+    draft.settings.n_probes = draft.head.n_probes = CLUSTERS
+    assert torch.equal(proposer._greedy_sample(hidden), _dense_argmax(setup, hidden))
+
+
+def test_the_drafter_follows_the_targets_switch(setup):
+    from my_pkg.contract import FlashHeadUpdate
+    from my_pkg.engine.patches import spec_proposer
+
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+    setup.target.apply(FlashHeadUpdate(enabled=False))
+    hidden = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(setup.proposer._greedy_sample(hidden), _dense_argmax(setup, hidden))
+    state = setup.target.status()
+    assert state.counters.rows_flashhead_draft == 0 and state.counters.rows_dense_draft == 4
+    assert state.spec.draft.reason_code == "flashhead_inactive"
+    setup.target.apply(FlashHeadUpdate(enabled=True))
+    setup.proposer._greedy_sample(hidden)
+    assert setup.target.status().counters.rows_flashhead_draft == 4
+
+
+def test_draft_n_probes_is_put_with_the_other_settings_and_refused_without_a_flashhead_drafter(setup):
+    from pydantic import ValidationError
+
+    from my_pkg.contract import FlashHeadUpdate
+    from my_pkg.engine.patches import spec_proposer
+
+    target, draft = setup.target, setup.draft
+    (refused,) = target.validate(FlashHeadUpdate(draft_n_probes=4))
+    assert "drafter" in refused and "draft_not_loaded" in refused  # all-or-none: no worker applies it
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+    assert target.validate(FlashHeadUpdate(draft_n_probes=CLUSTERS + 1)) == [
+        f"draft_n_probes must be <= the draft model's number of clusters ({CLUSTERS})"
+    ]
+    assert target.validate(FlashHeadUpdate(draft_n_probes=CLUSTERS, n_probes=4)) == []
+    target.apply(FlashHeadUpdate(draft_n_probes=CLUSTERS, n_probes=4))
+    state = target.status()
+    assert state.spec.draft_n_probes == CLUSTERS and draft.head.n_probes == CLUSTERS
+    assert state.n_probes == 4 and target.head.n_probes == 4  # each head keeps its own count
+    hidden = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(setup.proposer._greedy_sample(hidden), _dense_argmax(setup, hidden))  # every cluster
+    with pytest.raises(ValidationError):
+        FlashHeadUpdate.model_validate({"draft_n_probes": None})
+    with pytest.raises(ValidationError):
+        FlashHeadUpdate.model_validate({"draft_n_probes": 0})
+
+
+def test_a_failing_draft_head_serves_dense_and_is_counted(setup, monkeypatch):
+    from my_pkg.engine.patches import spec_proposer
+
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(setup.draft.head, "step_logits", broken)
+    hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(setup.proposer._greedy_sample(hidden), _dense_argmax(setup, hidden))
+    counters = setup.target.status().counters
+    assert counters.fallbacks == 1 and counters.rows_dense_draft == 3 and counters.rows_flashhead_draft == 0
+
+
+def test_a_draft_model_without_assets_stays_dense_with_its_reason(setup):
+    from my_pkg.engine.patches import spec_proposer
+
+    setup.proposer.model.logits_processor._my_pkg_flashhead = None
+    setup.proposer.draft_model_config.hf_config = SimpleNamespace()
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+    state = setup.target.status()
+    assert not state.spec.draft.active and state.spec.draft.reason_code == "draft_no_assets"
+    assert state.spec.draft_n_probes is None and setup.target.draft is None
+    hidden = torch.randn(2, HIDDEN)
+    assert torch.equal(setup.proposer._greedy_sample(hidden), _dense_argmax(setup, hidden))
+
+
+def test_a_part_the_configuration_decided_is_left_as_it_is(setup):
+    from my_pkg.engine.patches import spec_proposer
+
+    setup.target.spec = spec_state(DRAFT_MODEL, v2=True, hook_error=None)
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+    assert setup.target.spec.draft.reason_code == "model_runner_v2" and setup.target.draft is None
+    assert spec_proposer.DRAFT_ATTR not in setup.proposer.__dict__
+
+
+def _proposer(**change):
+    fields = dict(
+        method="draft_model",
+        use_heterogeneous_vocab=False,
+        use_local_argmax_reduction=False,
+        draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(flash_head_cache_dir="a")),
+    )
+    return SimpleNamespace(**{**fields, **change})
+
+
+def _controller(vocab=VOCAB, available=True):
+    weight = torch.randn(vocab, HIDDEN)
+    assignments = torch.arange(vocab) % CLUSTERS
+    centroids = torch.stack([weight[assignments == c].mean(0) for c in range(CLUSTERS)])
+    return FlashHeadController(
+        centroids=centroids if available else None,
+        assignments=assignments if available else None,
+        config={},
+        vocab_size=vocab,
+    )
+
+
+@pytest.mark.parametrize(
+    ("proposer", "draft", "code"),
+    [
+        (_proposer(), "ok", None),
+        (_proposer(method="eagle3"), "ok", "draft_head_not_supported"),
+        (_proposer(use_heterogeneous_vocab=True), "ok", "draft_vocab_mismatch"),
+        (_proposer(draft_model_config=SimpleNamespace(hf_config=SimpleNamespace())), None, "draft_no_assets"),
+        (_proposer(), None, "draft_head_unavailable"),
+        (_proposer(), "other vocabulary", "draft_vocab_mismatch"),
+        (_proposer(use_local_argmax_reduction=True), "ok", "draft_head_unavailable"),
+        (_proposer(), "no assets", "draft_head_unavailable"),
+    ],
+)
+def test_each_refusal_has_its_code(proposer, draft, code):
+    drafts = {
+        "ok": lambda: _controller(),
+        "other vocabulary": lambda: _controller(VOCAB + 16),
+        "no assets": lambda: _controller(available=False),
+        None: lambda: None,
+    }
+    refused = refusal(proposer, _controller(), drafts[draft]())
+    assert (refused[0] if refused else None) == code
+
+
+def test_the_drafters_probe_count_is_its_checkpoints_own():
+    assert default_draft_n_probes({"n_probes": 12}, 64) == 12
+    assert default_draft_n_probes({"n_probes": 500}, 64) == 64
+    assert default_draft_n_probes({}, 512) == 16  # the builder's default: 1/32 of the clusters, at least 8
+    assert default_draft_n_probes({"n_probes": True}, 64) == 8
+    rows = draft_rows(3)
+    assert rows.num_rows == 3 and not rows.dense_codes.any() and not rows.sampled.any()
+    assert rows.verify_rows is None and isinstance(rows.dense_codes, np.ndarray)
+
+
+def _vllm_config(method, target_assets=True):
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            method=method,
+            target_model_config=SimpleNamespace(
+                hf_config=SimpleNamespace(flash_head_cache_dir="a") if target_assets else SimpleNamespace()
+            ),
+        ),
+        model_config=SimpleNamespace(model="/nonexistent", dtype=torch.float32, head_dtype=None, hf_config=None),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        lora_config=None,
+    )
+
+
+def test_only_a_draft_model_beside_a_flashhead_target_gets_a_drafters_controller():
+    from my_pkg.engine.patches.logits_processor import _make_draft_controller
+
+    config = {"flash_head_cache_dir": "flash_head_assets", "n_probes": 5}
+    assert _make_draft_controller(_vllm_config("eagle3"), config, VOCAB) is None
+    assert _make_draft_controller(_vllm_config("draft_model", target_assets=False), config, VOCAB) is None
+    controller = _make_draft_controller(_vllm_config("draft_model"), config, VOCAB)
+    assert isinstance(controller, FlashHeadController)
+    assert controller.settings.n_probes == 5 and controller.settings.fidelity_every == 0 and controller.spec is None
+    assert (
+        controller.unavailable_code == "assets_invalid"
+    )  # no such directory: refused at load (draft_head_unavailable)
