@@ -13,7 +13,8 @@ before the drafter loads):
   drafting of sampled requests (`draft_sample_method: probabilistic`) does not call it and stays dense:
   its draft probabilities must be the dense law.
 
-Either hook that fails leaves vLLM's drafter as it is (dense), logged once.
+Either hook that fails leaves vLLM's drafter as it is (dense), logged once; a failure to link the drafter
+is also reported as the draft part's `draft_hook_failed`, with the error.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ VLLM_SYMBOLS = (
 )
 #: Where the linked drafter's controller is kept on the proposer.
 DRAFT_ATTR = "_my_pkg_flashhead_draft"
+#: The draft part's codes decided when the drafter loads (None: FlashHead serves it), decided again when
+#: vLLM loads it again; every other code comes from the configuration (`spec.spec_state`) and stays.
+_DECIDED_AT_LOAD = frozenset(
+    {None, "draft_not_loaded", "draft_no_assets", "draft_vocab_mismatch", "draft_head_unavailable"}
+)
 
 
 def controller_in(model: Any) -> FlashHeadController | None:
@@ -66,7 +72,7 @@ def link_drafter(proposer: Any, target_model: Any) -> None:
     proposer.__dict__.pop(DRAFT_ATTR, None)
     target = controller_in(target_model)
     spec = target.spec if target is not None else None
-    if spec is None or spec.draft.reason_code != "draft_not_loaded":
+    if spec is None or spec.draft.reason_code not in _DECIDED_AT_LOAD:
         return  # no FlashHead target, or a part decided by the configuration (model-free, V2, other methods)
     draft = controller_in(getattr(proposer, "model", None))
     refused = refusal(proposer, target, draft)
@@ -77,6 +83,19 @@ def link_drafter(proposer: Any, target_model: Any) -> None:
     link(target, draft, refused)
     if refused is None:
         proposer.__dict__[DRAFT_ATTR] = draft
+
+
+def _record_failure(target_model: Any, exc: BaseException) -> None:
+    """The draft part says why linking failed (`draft_hook_failed`); never raises."""
+    try:
+        from my_pkg.engine.flashhead.spec import with_draft
+
+        target = controller_in(target_model)
+        if target is not None and target.spec is not None and target.spec.draft.reason_code in _DECIDED_AT_LOAD:
+            target.draft = None
+            target.spec = with_draft(target.spec, "draft_hook_failed", f"{type(exc).__name__}: {exc}")
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _build(proposer: Any, draft: FlashHeadController) -> None:
@@ -109,6 +128,7 @@ def apply() -> None:
         except Exception as exc:  # noqa: BLE001 - the drafter stays dense
             self.__dict__.pop(DRAFT_ATTR, None)
             warn_once("drafter load_model", exc)
+            _record_failure(target_model, exc)
         return result
 
     @functools.wraps(original_greedy)

@@ -103,6 +103,15 @@ def test_the_draft_part_is_decided_when_the_drafter_loads_and_its_head_is_built_
     assert state.spec.verify.active
 
 
+def test_a_drafter_loaded_again_is_linked_again(setup):
+    from my_pkg.engine.patches import spec_proposer
+
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+    assert setup.target.draft is setup.draft and setup.proposer.__dict__[spec_proposer.DRAFT_ATTR] is setup.draft
+    assert setup.target.status().spec.draft.active
+
+
 def test_greedy_drafts_go_through_the_drafters_flashhead_head_and_are_counted_apart(setup):
     from my_pkg.engine.patches import spec_proposer
 
@@ -188,6 +197,29 @@ def test_a_draft_model_without_assets_stays_dense_with_its_reason(setup):
     state = setup.target.status()
     assert not state.spec.draft.active and state.spec.draft.reason_code == "draft_no_assets"
     assert state.spec.draft_n_probes is None and setup.target.draft is None
+    hidden = torch.randn(2, HIDDEN)
+    assert torch.equal(setup.proposer._greedy_sample(hidden), _dense_argmax(setup, hidden))
+
+
+def test_a_drafter_that_cannot_be_linked_stays_dense_with_its_reason(setup, monkeypatch):
+    """vLLM's own `load_model` (hooked) loads the drafter; linking it fails: vLLM's drafter as it is."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from my_pkg.engine.patches import spec_proposer
+
+    def broken(proposer, target_model):
+        raise RuntimeError("moved")
+
+    monkeypatch.setattr(spec_proposer, "link_drafter", broken)
+    loaded = []
+    hook = SpecDecodeBaseProposer.load_model  # our wrapper around vLLM's own
+    (cell,) = [c for c in hook.__closure__ if c.cell_contents is hook.__wrapped__]
+    # vLLM's load itself needs a whole engine: stand in for it by its effect, inside the real wrapper.
+    monkeypatch.setattr(cell, "cell_contents", lambda self, target_model: loaded.append(target_model))
+    hook(setup.proposer, setup.target_model)
+    assert loaded == [setup.target_model]
+    state = setup.target.status()
+    assert state.spec.draft.reason_code == "draft_hook_failed" and "moved" in state.spec.draft.reason
     hidden = torch.randn(2, HIDDEN)
     assert torch.equal(setup.proposer._greedy_sample(hidden), _dense_argmax(setup, hidden))
 
