@@ -29,6 +29,7 @@ from e2e_support import (
     NGRAM_SPEC,
     READ_TOKEN,
     RPC_TIMEOUT,
+    draft_model_spec,
 )
 
 from tests.support.server import VllmServer
@@ -180,6 +181,19 @@ def ngram_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
         "ngram",
         {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
         ["--speculative-config", json.dumps(NGRAM_SPEC)],
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def flashhead_drafter_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """The FlashHead model drafting for itself (`draft_model_spec`): the drafter's head is FlashHead too."""
+    with _server(
+        flashhead_model,
+        logs_dir,
+        "draft-flashhead",
+        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
+        ["--speculative-config", json.dumps(draft_model_spec(flashhead_model))],
     ) as server:
         yield server
 

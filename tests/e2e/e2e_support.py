@@ -23,6 +23,11 @@ DEFAULT_PROBES = 32
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
 
+def draft_model_spec(draft: object) -> dict:
+    """The draft-model speculative decoding the drafter tests run, drafting with the model at `draft`."""
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+
+
 def auth(token: str = API_KEY) -> dict[str, str]:
     return bearer(token)
 
