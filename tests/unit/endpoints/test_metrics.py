@@ -111,6 +111,20 @@ def test_label_values_are_escaped_and_unknown_settings_omitted():
     assert "# TYPE my_pkg_flashhead_n_probes gauge" in text
 
 
+def test_a_flashhead_drafter_has_its_rows_and_probe_count():
+    spec = {
+        "method": "draft_model",
+        "verify": {"active": True},
+        "draft": {"active": True},
+        "draft_n_probes": 12,
+    }
+    found = samples(render(_snapshot(counters={"rows_flashhead_draft": 7}, spec=spec)).decode())
+    assert found[("my_pkg_flashhead_rows_draft_total", L(rank="0"))] == 7
+    assert found[("my_pkg_flashhead_draft_n_probes", L(rank="0"))] == 12
+    without = samples(render(_snapshot()).decode())
+    assert not any(name == "my_pkg_flashhead_draft_n_probes" for name, _ in without)
+
+
 # ------------------------------------------------------- the process registry (vLLM's /metrics)
 @pytest.fixture
 def registry():
