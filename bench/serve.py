@@ -21,12 +21,24 @@ rounds x 2 x ``--seconds`` (printed at the start); bound it with those options.
     python -m bench.serve --quick                     # tiny model, ~8 min with its first build, prints only
     python -m bench.serve --write-docs                # both shapes, writes the serve section
     python -m bench.serve --shape llama-1b --traffic sampled --concurrency 1 --rounds 3 --seconds 20
+
+Under speculative decoding (``--spec ngram|draft``, 3 speculative tokens, concurrency 1 and 8 unless given;
+prints only): one server per variant, each compared with its own dense rounds (``enabled`` off turns the
+drafter's FlashHead head off too), with vLLM's acceptance rate of each mode.  ``ngram``: FlashHead verify.
+``draft``: FlashHead verify (the draft model is the assetless random checkpoint: a dense drafter), then
+FlashHead verify + draft (the draft model is the FlashHead checkpoint itself).  Both drafters are the target's
+own weights, as large as the target: the ratios say what FlashHead changes in such a step, not what a small
+trained drafter gains.
+
+    python -m bench.serve --quick --spec draft
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -48,6 +60,54 @@ from my_pkg.contract import DenseReason
 from tests.support.tiny_model import TinyLlamaSpec
 
 MODES = ("dense", "flashhead")
+#: Speculative decoding under `--spec`: the n-gram proposer, or a draft model, 3 tokens per step.
+SPEC_METHODS = ("ngram", "draft")
+NUM_SPECULATIVE_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class SpecVariant:
+    """One server of a `--spec` run: what its FlashHead rounds serve, and its `--speculative-config`."""
+
+    label: str
+    config: dict
+
+
+def spec_variants(method: str | None, flashhead_model: Path, base_model: Path) -> list[SpecVariant]:
+    """The servers a `--spec` run starts for one shape (one variant without speculation: `method` None)."""
+    if method is None:
+        return [SpecVariant("", {})]
+    if method == "ngram":
+        ngram = {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+        return [SpecVariant("FlashHead verify", {**ngram, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})]
+    if method == "draft":
+        return [
+            SpecVariant(
+                "FlashHead verify",
+                {"method": "draft_model", "model": str(base_model), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
+            ),
+            SpecVariant(
+                "FlashHead verify + draft",
+                {
+                    "method": "draft_model",
+                    "model": str(flashhead_model),
+                    "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+                },
+            ),
+        ]
+    raise ValueError(f"--spec: one of {', '.join(SPEC_METHODS)}")
+
+
+def spec_counts(url: str) -> tuple[float, float]:
+    """vLLM's own (accepted, drafted) speculative token counters, summed over their label sets."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30.0).text
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    return total("vllm:spec_decode_num_accepted_tokens_total"), total("vllm:spec_decode_num_draft_tokens_total")
 
 
 @dataclass(frozen=True)
@@ -117,6 +177,8 @@ class Measurement:
     round: int
     load: LoadResult
     rows: RowCounts
+    accepted: float = 0.0  # vLLM's accepted and drafted tokens during the measurement (speculative decoding)
+    drafted: float = 0.0
 
     @property
     def check(self) -> bool:
@@ -139,6 +201,13 @@ class ShapeResult:
     threshold: int | None
     backend: str | None
     runs: dict[tuple[str, int], list[Measurement]] = field(default_factory=dict)
+    variant: SpecVariant = field(default_factory=lambda: SpecVariant("", {}))
+
+    def acceptance(self, key: tuple[str, int], mode: str) -> float:
+        """vLLM's acceptance rate over the mode's measurements (speculative decoding; nan without drafts)."""
+        ms = [m for m in self.runs[key] if m.mode == mode]
+        drafted = sum(m.drafted for m in ms)
+        return sum(m.accepted for m in ms) / drafted if drafted else math.nan
 
     def tokens_per_s(self, key: tuple[str, int], mode: str) -> float:
         ms = [m for m in self.runs[key] if m.mode == mode]
@@ -189,34 +258,49 @@ def measure(
 ) -> Measurement:
     admin.update(enabled=mode == "flashhead")
     before = RowCounts.of(admin.status())
+    spec = getattr(args, "spec", None) is not None
+    accepted0, drafted0 = spec_counts(url) if spec else (0.0, 0.0)
     load = run_load(
         url, model, concurrency=concurrency, max_tokens=args.max_tokens, seconds=args.seconds, traffic=traffic
     )
     if load.errors == load.requests:
         raise RuntimeError(f"every completion failed ({mode}, {traffic}, C={concurrency}); see the server log")
     rows = RowCounts.of(admin.status()) - before
-    m = Measurement(mode, traffic, rnd, load, rows)
+    accepted1, drafted1 = spec_counts(url) if spec else (0.0, 0.0)
+    m = Measurement(mode, traffic, rnd, load, rows, accepted1 - accepted0, drafted1 - drafted0)
+    acceptance = f"; acceptance {m.accepted:.0f}/{m.drafted:.0f}" if spec else ""
     print(
         f"    C={concurrency:3d} {traffic:7s} round {rnd} {mode:9s}: {load.tokens_per_s:8.1f} tok/s  "
         f"({load.requests} requests, {load.completion_tokens} tokens, {load.wall_s:5.1f} s, "
-        f"{load.errors} errors; rows flashhead {rows.flashhead}, dense {rows.dense or 0})"
+        f"{load.errors} errors; rows flashhead {rows.flashhead}, dense {rows.dense or 0}{acceptance})"
         f"{'' if m.check else '  CHECK FAILED'}",
         flush=True,
     )
     return m
 
 
-def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
+def bench_shape(shape: Shape, args: argparse.Namespace) -> list[ShapeResult]:
+    """One result per server: the shape without speculation, or each `--spec` variant."""
     spec = shape.spec
     print(f"== {shape.title}: V={spec.vocab_size:,} H={spec.hidden_size:,} layers={spec.num_hidden_layers}", flush=True)
     name = f"{shape.key}-{spec.num_hidden_layers}l"
     model = prepare_flashhead_model(args.work_dir, name, spec, iterations=args.iterations)
+    variants = spec_variants(getattr(args, "spec", None), model, args.work_dir / name)
+    return [bench_server(shape, name, model, variant, args) for variant in variants]
+
+
+def bench_server(shape: Shape, name: str, model: Path, variant: SpecVariant, args: argparse.Namespace) -> ShapeResult:
     max_c = max(args.concurrency)
+    extra_args = ["--speculative-config", json.dumps(variant.config)] if variant.config else []
+    suffix = f"-spec-{'-'.join(variant.label.lower().replace('+', '').split())}" if variant.config else ""
+    if variant.label:
+        print(f"  -- {variant.label}: --speculative-config '{json.dumps(variant.config)}'", flush=True)
     server = flashhead_server(
         model,
-        args.work_dir / "logs" / f"serve-{name}.log",
+        args.work_dir / "logs" / f"serve-{name}{suffix}.log",
         max_model_len=args.max_tokens + 64,
         max_num_seqs=max(32, max_c),
+        extra_args=extra_args,
     )
     t0 = time.perf_counter()
     with server:
@@ -240,6 +324,7 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
                 status["num_clusters"],
                 status.get("dense_batch_threshold"),
                 status.get("backend"),
+                variant=variant,
             )
             print(
                 f"  FlashHead: {result.num_clusters:,} clusters, n_probes {result.n_probes} "
@@ -259,9 +344,15 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> ShapeResult:
                 for traffic in args.traffic:
                     key = (traffic, c)
                     dense, flash = result.tokens_per_s(key, "dense"), result.tokens_per_s(key, "flashhead")
+                    acceptance = (
+                        f"; acceptance dense {result.acceptance(key, 'dense'):.3f}, "
+                        f"FlashHead {result.acceptance(key, 'flashhead'):.3f}"
+                        if variant.config
+                        else ""
+                    )
                     print(
                         f"  C={c} {traffic}: dense {dense:.1f} tok/s, FlashHead {flash:.1f} tok/s, "
-                        f"x{result.median_ratio(key):.2f} (median of rounds)",
+                        f"x{result.median_ratio(key):.2f} (median of rounds){acceptance}",
                         flush=True,
                     )
             admin.update(enabled=True)
@@ -276,10 +367,13 @@ def _keys(result: ShapeResult) -> list[tuple[str, int]]:
 
 
 def table(result: ShapeResult) -> list[str]:
+    spec = bool(result.variant.config)
     lines = [
         "| concurrency | traffic | dense tok/s | FlashHead tok/s | FlashHead / dense (median) | spread over rounds | "
-        "FlashHead rows in FlashHead rounds | check |",
-        "|---:|:---|---:|---:|---:|:---:|---:|:---:|",
+        "FlashHead rows in FlashHead rounds | "
+        + ("acceptance dense | acceptance FlashHead | " if spec else "")
+        + "check |",
+        "|---:|:---|---:|---:|---:|:---:|---:|" + ("---:|---:|" if spec else "") + ":---:|",
     ]
     for key in _keys(result):
         traffic, c = key
@@ -287,9 +381,12 @@ def table(result: ShapeResult) -> list[str]:
         ratios = result.ratios(key)
         median = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
         spread = f"{min(ratios):.2f}..{max(ratios):.2f}" if ratios else "n/a"
+        acceptance = (
+            f"{result.acceptance(key, 'dense'):.3f} | {result.acceptance(key, 'flashhead'):.3f} | " if spec else ""
+        )
         lines.append(
             f"| {c} | {traffic} | {dense:.1f} | {flash:.1f} | {median} | {spread} | "
-            f"{100 * result.flash_share(key):.0f}% | {'ok' if result.all_checked(key) else 'FAILED'} |"
+            f"{100 * result.flash_share(key):.0f}% | {acceptance}{'ok' if result.all_checked(key) else 'FAILED'} |"
         )
     return lines
 
@@ -351,18 +448,23 @@ def to_markdown(results: list[ShapeResult], args: argparse.Namespace) -> str:
     ]
     for r in results:
         spec = r.shape.spec
+        variant = (
+            f" Speculative decoding, {r.variant.label} (`--speculative-config '{json.dumps(r.variant.config)}'`)."
+            if r.variant.config
+            else ""
+        )
         out += [
             f"**{r.shape.title}**: V = {spec.vocab_size:,}, H = {spec.hidden_size:,}, "
             f"{spec.num_hidden_layers} layers, intermediate {spec.intermediate_size:,}, "
             f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, tied embeddings; "
             f"{r.num_clusters:,} clusters of 16, n_probes {r.n_probes} (sampled rows: {r.sampled_n_probes}, "
             f"probe_sampling {r.probe_sampling}), dense_batch_threshold {r.threshold} (server default unless "
-            f"the command sets it), backend {r.backend}.",
+            f"the command sets it), backend {r.backend}.{variant}",
             "",
         ]
         out += table(r)
         out.append("")
-    met = targets(results)
+    met = targets([r for r in results if not r.variant.config])  # the targets are set without speculation
     if met:
         out += ["Targets (median FlashHead / dense over rounds):", ""]
         out += ["| target | measured | met |", "|:---|:---|:---:|"]
@@ -373,10 +475,12 @@ def to_markdown(results: list[ShapeResult], args: argparse.Namespace) -> str:
 
 def planned_seconds(args: argparse.Namespace, num_shapes: int) -> float:
     """Lower bound of the measuring time: every measurement lasts at least ``--seconds``."""
-    return num_shapes * len(args.concurrency) * len(args.traffic) * args.rounds * len(MODES) * args.seconds
+    servers = len(spec_variants(getattr(args, "spec", None), Path(), Path()))
+    return num_shapes * servers * len(args.concurrency) * len(args.traffic) * args.rounds * len(MODES) * args.seconds
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the defaults that depend on `--quick` and `--spec` filled in."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["head-heavy", "llama-1b", "all"], default="all")
     ap.add_argument("--llama-layers", type=int, default=4, help="layers of the Llama-3.2-1B-like shape (real: 16)")
@@ -391,12 +495,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="checkpoint cache and server logs")
     ap.add_argument("--quick", action="store_true", help="tiny model, short runs (smoke test)")
     ap.add_argument("--write-docs", action="store_true", help="write the serve section of docs/benchmarks.md")
+    ap.add_argument(
+        "--spec",
+        choices=SPEC_METHODS,
+        default=None,
+        help="speculative decoding: ngram (FlashHead verify) or draft (FlashHead verify, then verify + draft), "
+        "each against dense; concurrency 1,8 by default; prints only",
+    )
     args = ap.parse_args(argv)
-    args.concurrency = args.concurrency or ([1, 8] if args.quick else [1, 8, 32])
+    if args.spec is not None and args.write_docs:
+        ap.error("--spec prints its tables only; --write-docs writes the serve section without speculation")
+    args.concurrency = args.concurrency or ([1, 8] if args.quick or args.spec else [1, 8, 32])
     args.max_tokens = args.max_tokens or (16 if args.quick else 64)
     args.seconds = args.seconds if args.seconds is not None else (4.0 if args.quick else 30.0)
     args.iterations = args.iterations or (1 if args.quick else 2)
     args.rounds = args.rounds or (2 if args.quick else 3)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
     table_shapes = shapes(args.llama_layers)
@@ -404,11 +522,12 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_description())
     print(
         f"measuring at least {planned_seconds(args, len(keys)) / 60:.0f} min "
-        f"({len(keys)} shape(s) x {len(args.concurrency)} concurrencies x {len(args.traffic)} traffics x "
+        f"({len(keys)} shape(s) x {len(spec_variants(args.spec, Path(), Path()))} server(s) x "
+        f"{len(args.concurrency)} concurrencies x {len(args.traffic)} traffics x "
         f"{args.rounds} rounds x 2 modes x {args.seconds:g} s), plus model builds and server starts",
         flush=True,
     )
-    results = [bench_shape(table_shapes[k], args) for k in keys]
+    results = [result for k in keys for result in bench_shape(table_shapes[k], args)]
     md = to_markdown(results, args)
     print()
     print(md)

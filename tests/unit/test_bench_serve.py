@@ -7,7 +7,18 @@ import argparse
 import pytest
 
 from bench._load import LoadResult, RowCounts, completion_body
-from bench.serve import Measurement, ShapeResult, _traffics, shapes, table, targets
+from bench.serve import (
+    Measurement,
+    ShapeResult,
+    SpecVariant,
+    _traffics,
+    parse_args,
+    planned_seconds,
+    shapes,
+    spec_variants,
+    table,
+    targets,
+)
 
 
 def test_sampled_traffic_samples_at_the_common_defaults():
@@ -68,3 +79,42 @@ def test_targets_say_whether_they_were_met():
         ("≥ 1.0x dense at every concurrency, greedy and sampled", False),
     ]
     assert "lowest 0.95x (llama-1b, sampled, C = 1)" in met[1][1]
+
+
+def test_spec_runs_one_server_per_variant_each_against_dense():
+    from pathlib import Path
+
+    flash, base = Path("/m/x-flashhead"), Path("/m/x")
+    assert spec_variants(None, flash, base) == [SpecVariant("", {})]
+    (ngram,) = spec_variants("ngram", flash, base)
+    assert ngram.label == "FlashHead verify" and ngram.config["method"] == "ngram"
+    assert ngram.config["num_speculative_tokens"] == 3
+    verify, both = spec_variants("draft", flash, base)
+    assert (verify.label, verify.config["model"]) == ("FlashHead verify", str(base))  # no assets: a dense drafter
+    assert (both.label, both.config["model"]) == ("FlashHead verify + draft", str(flash))
+    assert verify.config["method"] == both.config["method"] == "draft_model"
+    with pytest.raises(ValueError):
+        spec_variants("eagle", flash, base)
+
+
+def test_spec_arguments_default_to_concurrency_1_and_8_and_print_only():
+    plain, ngram, draft = parse_args([]), parse_args(["--spec", "ngram"]), parse_args(["--spec", "draft"])
+    assert plain.spec is None and plain.concurrency == [1, 8, 32]
+    assert ngram.spec == "ngram" and ngram.concurrency == [1, 8] == draft.concurrency
+    assert parse_args(["--spec", "draft", "--concurrency", "4"]).concurrency == [4]
+    assert planned_seconds(draft, 1) == 2 * planned_seconds(ngram, 1) == 2 * planned_seconds(plain, 1) * 2 / 3
+    for argv in (["--spec", "draft", "--write-docs"], ["--spec", "medusa"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+
+
+def test_a_spec_table_reports_each_modes_acceptance():
+    result = _result("quick", {"greedy": [1.2], "sampled": [1.1]})
+    result.variant = SpecVariant("FlashHead verify + draft", {"method": "draft_model"})
+    for m in result.runs[("greedy", 1)]:
+        m.accepted, m.drafted = (30.0, 60.0) if m.mode == "dense" else (57.0, 60.0)
+    rows = table(result)
+    assert "acceptance dense | acceptance FlashHead |" in rows[0] and rows[1].count("|") == rows[0].count("|")
+    assert "| 1 | greedy | 10.0 | 12.0 | 1.20x | 1.20..1.20 | 100% | 0.500 | 0.950 | ok |" in rows
+    assert "| 1 | sampled | 10.0 | 11.0 | 1.10x | 1.10..1.10 | 100% | nan | nan | ok |" in rows
+    assert targets([]) == []
