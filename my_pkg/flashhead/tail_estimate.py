@@ -158,14 +158,15 @@ def _top_right_singular_vectors(
     vocab, hidden = weight.shape
     k = min(hidden, vocab, rank + _OVERSAMPLE)
     chunks = _row_chunks(vocab)
-    test = torch.randn(hidden, k, generator=torch.Generator().manual_seed(seed)).to(weight.device)
+    # Explicit float32: vLLM loads (and may build the head) with its model dtype as torch's default.
+    test = torch.randn(hidden, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(weight.device)
 
     def times(right: torch.Tensor) -> torch.Tensor:  # A @ right = W @ (T @ right): [V, k]
         right = right if transform is None else transform @ right
         return torch.cat([weight[s:e].float() @ right for s, e in chunks])
 
     def transposed_times(left: torch.Tensor) -> torch.Tensor:  # A.T @ left = T.T @ (W.T @ left): [H, k]
-        out = torch.zeros(hidden, left.shape[1], device=weight.device)
+        out = torch.zeros(hidden, left.shape[1], dtype=torch.float32, device=weight.device)
         for s, e in chunks:
             out.addmm_(weight[s:e].float().t(), left[s:e])
         return out if transform is None else transform.t() @ out

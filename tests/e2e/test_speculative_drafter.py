@@ -41,6 +41,16 @@ def _serve_prompts(http) -> tuple[list[list[int]], float, float, dict, dict]:
     return answers, accepted1 - accepted0, drafted1 - drafted0, before, after
 
 
+def test_both_heads_are_built_when_the_models_load_before_any_request(flashhead_drafter_server: VllmServer):
+    """vLLM sizes the KV cache right after loading: the target's FlashHead head and the drafter's exist by then,
+    not at the first request (the server is fresh: no completion has reached it yet)."""
+    with client(flashhead_drafter_server) as http:
+        status = _status(http)
+    assert status["counters"]["steps"] == 0
+    assert status["active"] and status["reason_code"] is None and status["extra_memory_bytes"] > 0
+    assert status["spec"]["draft"]["active"]
+
+
 def test_the_flashhead_drafter_serves_the_drafts_and_answers_stay_flashheads(
     flashhead_drafter_server: VllmServer, reference
 ):

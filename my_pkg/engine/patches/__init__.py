@@ -37,7 +37,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 #: Applied by `my_pkg.engine.register()` in every process.
 PATCHES = ("worker", "model_registry")
 #: Installed by `on_flashhead_model()`, once a FlashHead model is about to be built.
-FLASHHEAD_HOOKS = ("logits_processor", "model_runner", "model_runner_v2", "spec_proposer")
+FLASHHEAD_HOOKS = ("logits_processor", "model_loader", "model_runner", "model_runner_v2", "spec_proposer")
 
 _NOT_TRIED = "not installed (no FlashHead architecture was resolved in this process)"
 _hook_errors: dict[str, str | None] = {}

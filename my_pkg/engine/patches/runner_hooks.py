@@ -71,15 +71,23 @@ def controller_of_runner(runner: Any) -> FlashHeadController | None:
     if runner.__dict__.get("model") is None:
         return None
     get_model = getattr(runner, "get_model", None)
-    model = get_model() if callable(get_model) else runner.model  # unwraps CUDA-graph wrappers
-    found = None
+    found = controller_in(get_model() if callable(get_model) else runner.model)  # unwraps CUDA-graph wrappers
+    runner.__dict__[CONTROLLER_ATTR] = found
+    return found
+
+
+def controller_in(model: Any) -> FlashHeadController | None:
+    """The first FlashHead controller among `model`'s modules (a wrapper's `unwrap()` first)."""
+    if model is None:
+        return None
+    unwrap = getattr(model, "unwrap", None)
+    if callable(unwrap):
+        model = unwrap()
     for module in model.modules():
         controller = module.__dict__.get(CONTROLLER_ATTR)
         if isinstance(controller, FlashHeadController):
-            found = controller
-            break
-    runner.__dict__[CONTROLLER_ATTR] = found
-    return found
+            return controller
+    return None
 
 
 def find_controller(worker: Any) -> FlashHeadController | None:
@@ -191,7 +199,7 @@ def prepare_after_load(runner: Any, stop_table_holder: str | None = None) -> Non
         # the head is built at the first logits call (the profile run), outside that pool.
         logger.info("my_pkg: sleep mode is on; FlashHead is built at the first logits call")
         return
-    lm_head = _lm_head_of(runner.get_model())
+    lm_head = lm_head_of(runner.get_model())
     if lm_head is None:
         logger.info("my_pkg: FlashHead is built at the first logits call (the LM head is not one module)")
         return
@@ -200,7 +208,7 @@ def prepare_after_load(runner: Any, stop_table_holder: str | None = None) -> Non
     build_head(controller, lm_head)
 
 
-def _lm_head_of(model: Any) -> Any:
+def lm_head_of(model: Any) -> Any:
     """The module whose weight the model computes its logits with: `model.lm_head` (tied or not), the
     one `ParallelLMHead`, or the one vocab-parallel embedding (models that reuse it, e.g. Gemma)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding

@@ -23,7 +23,7 @@ import functools
 from typing import Any
 
 from my_pkg.engine.flashhead.controller import FlashHeadController
-from my_pkg.engine.patches.runner_hooks import CONTROLLER_ATTR, WRAPPED, require, run_armed, warn_once
+from my_pkg.engine.patches.runner_hooks import WRAPPED, controller_in, lm_head_of, require, run_armed, warn_once
 from my_pkg.engine.vllm_uses import attributes, symbol
 
 TARGET = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
@@ -49,20 +49,6 @@ DRAFT_ATTR = "_my_pkg_flashhead_draft"
 _DECIDED_AT_LOAD = frozenset(
     {None, "draft_not_loaded", "draft_no_assets", "draft_vocab_mismatch", "draft_head_unavailable"}
 )
-
-
-def controller_in(model: Any) -> FlashHeadController | None:
-    """The first FlashHead controller among `model`'s modules (a wrapper's `unwrap()` first)."""
-    if model is None:
-        return None
-    unwrap = getattr(model, "unwrap", None)
-    if callable(unwrap):
-        model = unwrap()
-    for module in model.modules():
-        controller = module.__dict__.get(CONTROLLER_ATTR)
-        if isinstance(controller, FlashHeadController):
-            return controller
-    return None
 
 
 def link_drafter(proposer: Any, target_model: Any) -> None:
@@ -102,13 +88,12 @@ def _build(proposer: Any, draft: FlashHeadController) -> None:
     """Build the drafter's head over the drafter's LM head (as `runner_hooks.prepare_after_load` does the
     target's); under sleep mode, or when the LM head is not one module, its first logits call does."""
     from my_pkg.engine.patches.logits_processor import build_head
-    from my_pkg.engine.patches.runner_hooks import _lm_head_of
 
     if draft.head is not None or getattr(getattr(proposer, "draft_model_config", None), "enable_sleep_mode", False):
         return
     model = proposer.model
     unwrap = getattr(model, "unwrap", None)
-    lm_head = _lm_head_of(unwrap() if callable(unwrap) else model)
+    lm_head = lm_head_of(unwrap() if callable(unwrap) else model)
     if lm_head is not None:
         build_head(draft, lm_head)
 

@@ -529,10 +529,10 @@ def _vocab_modules(kind: str):
     [("untied", "lm_head"), ("tied", "embed_tokens"), ("embedding only (Gemma)", "embed_tokens"), ("two heads", None)],
 )
 def test_the_lm_head_is_found_among_vllms_modules(kind, expected):
-    from my_pkg.engine.patches.runner_hooks import _lm_head_of
+    from my_pkg.engine.patches.runner_hooks import lm_head_of
 
     model = _vocab_modules(kind)
-    found = _lm_head_of(model)
+    found = lm_head_of(model)
     assert found is (getattr(model, expected) if expected else None)
 
 
@@ -624,12 +624,59 @@ def test_a_load_hook_that_fails_leaves_vllms_load_and_the_lazy_build(processor_a
     def broken(model):
         raise RuntimeError("odd model")
 
-    monkeypatch.setattr(runner_hooks, "_lm_head_of", broken)
+    monkeypatch.setattr(runner_hooks, "lm_head_of", broken)
     runner_hooks.hook_load_model(Runner)
     assert Runner().load_model() == "loaded" and controller.head is None
     _arm(controller, 1)
     processor(lm_head, torch.randn(1, HIDDEN))  # the first logits call builds it
     assert controller.head is not None and controller.counters.rows_flashhead == 1
+
+
+def test_the_model_loader_builds_the_head_of_the_load_that_installed_the_hooks(processor_and_head, monkeypatch):
+    """The hooks are installed while vLLM resolves the architecture, inside the runner's `load_model`; vLLM's
+    loader looks `process_weights_after_loading` up when it calls it, after that, so the wrapped one builds the
+    head of this very load, with vLLM's model dtype as torch's default (as while vLLM loads)."""
+    import inspect
+
+    from vllm.model_executor.model_loader import base_loader
+
+    from my_pkg.engine.patches import model_loader
+
+    assert "process_weights_after_loading" in inspect.unwrap(base_loader.BaseModelLoader.load_model).__code__.co_names
+    loaded = []  # vLLM's own function needs a whole ModelConfig; it stands in, to see it run first
+    monkeypatch.setattr(base_loader, "process_weights_after_loading", lambda *args: loaded.append(args))
+    model_loader.apply()
+    model_loader.apply()  # applying twice wraps once
+    wrapped = base_loader.process_weights_after_loading
+    assert getattr(wrapped, "_my_pkg_wrapped", False) and not getattr(wrapped.__wrapped__, "_my_pkg_wrapped", False)
+
+    processor, _ = processor_and_head
+    controller = processor._my_pkg_flashhead
+    model = _vocab_modules("untied")
+    model.logits_processor = processor
+    config = SimpleNamespace(dtype=torch.bfloat16, enable_sleep_mode=False, quantization=None)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        wrapped(model, config, torch.device("cpu"))
+    finally:
+        torch.set_default_dtype(previous)
+    assert loaded == [(model, config, torch.device("cpu"))]
+    assert controller.head is not None and controller.head.weight is model.lm_head.weight
+    assert controller.status().active and controller.head._tail is not None
+
+    asleep = _vocab_modules("untied")
+    asleep.logits_processor = logits_processor.subclass()(VOCAB)
+    asleep.logits_processor._my_pkg_flashhead = FlashHeadController(
+        centroids=controller.head.centroids.float(),
+        assignments=torch.arange(VOCAB) % (VOCAB // CAP),
+        config={"n_probes": 2},
+        vocab_size=VOCAB,
+    )
+    wrapped(asleep, SimpleNamespace(dtype=torch.float32, enable_sleep_mode=True, quantization=None), "cpu")
+    assert asleep.logits_processor._my_pkg_flashhead.head is None  # sleep mode: the first logits call builds it
+    wrapped(_vocab_modules("untied"), config, "cpu")  # no FlashHead controller: vLLM's own, nothing else
+    assert len(loaded) == 3
 
 
 def test_every_runner_vllm_may_use_builds_the_head_after_load(flashhead_hooks):

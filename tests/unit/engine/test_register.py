@@ -91,6 +91,7 @@ def test_register_applies_every_patch_once_and_imports_lazily():
     # One entry installed every FlashHead hook, when the architecture was resolved.
     assert result["hook_errors"] == {
         "logits_processor": None,
+        "model_loader": None,
         "model_runner": None,
         "model_runner_v2": None,
         "spec_proposer": None,

@@ -151,3 +151,16 @@ def test_top_k_ids_picks_the_values_topk_picks(width, k):
     assert got.shape == (5, k) and all(len(set(row.tolist())) == k for row in got)
     want = torch.topk(values, k, dim=1).values
     assert torch.equal(values.gather(1, got).sort(dim=1, descending=True).values, want)
+
+
+def test_the_tables_do_not_depend_on_torchs_default_dtype():
+    """vLLM loads a model with its dtype as torch's default, and the head may be built then."""
+    weight = _weight().bfloat16()
+    want = build_tail_tables(weight, VOCAB, RANK)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = build_tail_tables(weight, VOCAB, RANK)
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.equal(got.basis, want.basis) and torch.equal(got.projected, want.projected)

@@ -1,0 +1,64 @@
+"""Builds FlashHead's head as soon as vLLM's model loader has the weights in their runtime format.
+
+`TARGET`: `process_weights_after_loading` as vLLM's `BaseModelLoader.load_model` calls it, the last
+step of loading a model. The runners' `load_model` hooks (`model_runner.py`, `model_runner_v2.py`)
+cannot build the head after the first load: the FlashHead hooks are installed while vLLM resolves the
+architecture, inside that very `load_model` call, so the call already running is vLLM's own. The loader
+looks this function up in its module when it calls it, after the model is built, so the hook installed
+then serves the first load too: vLLM profiles memory and sizes the KV cache with the head and its tables
+allocated. Draft models load through the same function. Under sleep mode, or when the LM head is not one
+module, the first logits call builds the head, as before. Never raises: on failure the same fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from my_pkg.engine.patches.runner_hooks import WRAPPED, controller_in, lm_head_of, warn_once
+from my_pkg.engine.vllm_uses import attributes, symbol
+
+TARGET = "vllm.model_executor.model_loader.base_loader.process_weights_after_loading"
+#: What the hook relies on beyond its imports (`my_pkg.devtools.compat` checks it).
+VLLM_SYMBOLS = (
+    symbol(
+        "vllm.model_executor.model_loader.base_loader:process_weights_after_loading",
+        "function",
+        params=("model", "model_config", "target_device"),
+    ),
+    *attributes("vllm.config:ModelConfig", "enable_sleep_mode"),
+)
+
+
+def build_after_loading(model: Any, model_config: Any) -> None:
+    """Build the head of `model`'s FlashHead controller over its LM head, when it has one not yet built."""
+    controller = controller_in(model)
+    if controller is None or controller.head is not None or not controller.available:
+        return
+    if getattr(model_config, "enable_sleep_mode", False):
+        return  # the weights sit in the sleep-mode pool: see `runner_hooks.prepare_after_load`
+    lm_head = lm_head_of(model)
+    if lm_head is not None:
+        from my_pkg.engine.patches.logits_processor import build_head
+
+        build_head(controller, lm_head)
+
+
+def apply() -> None:
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.process_weights_after_loading
+    if getattr(original, WRAPPED, False):  # applying twice wraps once
+        return
+
+    @functools.wraps(original)
+    def process_weights_after_loading(model, model_config, target_device, *args, **kwargs):
+        result = original(model, model_config, target_device, *args, **kwargs)
+        try:
+            build_after_loading(model, model_config)
+        except Exception as exc:  # noqa: BLE001 - the first logits call builds it instead
+            warn_once("process_weights_after_loading", exc)
+        return result
+
+    setattr(process_weights_after_loading, WRAPPED, True)
+    base_loader.process_weights_after_loading = process_weights_after_loading
