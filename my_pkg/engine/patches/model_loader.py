@@ -18,7 +18,8 @@ from typing import Any
 from my_pkg.engine.patches.runner_hooks import WRAPPED, controller_in, lm_head_of, warn_once
 from my_pkg.engine.vllm_uses import attributes, symbol
 
-TARGET = "vllm.model_executor.model_loader.base_loader.process_weights_after_loading"
+#: The module whose `process_weights_after_loading` (the name `BaseModelLoader.load_model` calls) is wrapped.
+TARGET = "vllm.model_executor.model_loader.base_loader"
 #: What the hook relies on beyond its imports (`my_pkg.devtools.compat` checks it).
 VLLM_SYMBOLS = (
     symbol(
@@ -45,7 +46,7 @@ def build_after_loading(model: Any, model_config: Any) -> None:
 
 
 def apply() -> None:
-    from vllm.model_executor.model_loader import base_loader
+    import vllm.model_executor.model_loader.base_loader as base_loader
 
     original = base_loader.process_weights_after_loading
     if getattr(original, WRAPPED, False):  # applying twice wraps once
