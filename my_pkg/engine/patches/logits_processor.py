@@ -156,28 +156,36 @@ def _make_controller(org_vocab_size: int) -> Any:
     if not config.get("flash_head_cache_dir"):
         return None
 
-    from my_pkg.engine.flashhead.controller import FlashHeadController
     from my_pkg.engine.patches import runner_hook_failure
 
     if _building_drafter():
         return _make_draft_controller(vllm_config, config, org_vocab_size)
     unsupported = _unsupported_reason(vllm_config) or runner_hook_failure(vllm_config)
-    controller = FlashHeadController.from_model_dir(
+    controller = _controller_from_model_dir(model_config, config, org_vocab_size, unsupported)
+    controller.spec = _spec_state(vllm_config)
+    return controller
+
+
+def _controller_from_model_dir(
+    model_config: Any, config: dict[str, Any], org_vocab_size: int, unsupported: tuple[str, str] | None
+) -> Any:
+    """The controller over the model directory's assets, unavailable for `unsupported` (its pinned ids are the
+    tokenizer's stop and special ids only when it may serve)."""
+    from my_pkg.engine.flashhead.controller import FlashHeadController
+
+    return FlashHeadController.from_model_dir(
         _resolve_model_dir(model_config),
         config,
         vocab_size=org_vocab_size,
         unavailable=unsupported,
         pinned_ids=tokenizer_stop_and_special_ids(model_config) if unsupported is None else (),
     )
-    controller.spec = _spec_state(vllm_config)
-    return controller
 
 
 def _make_draft_controller(vllm_config: Any, config: dict[str, Any], org_vocab_size: int) -> Any:
     """The drafter's own controller (`flashhead/draft.py`) while vLLM builds a draft model (`draft_model`)
     with FlashHead assets beside a FlashHead target; None for every other drafter, whose head stays dense
     (`spec.draft` says why once the drafter is loaded)."""
-    from my_pkg.engine.flashhead.controller import FlashHeadController
     from my_pkg.engine.flashhead.draft import configure_draft
     from my_pkg.engine.flashhead.spec import DRAFT_HEAD_METHODS
 
@@ -187,14 +195,8 @@ def _make_draft_controller(vllm_config: Any, config: dict[str, Any], org_vocab_s
     target_config = getattr(getattr(speculative_config, "target_model_config", None), "hf_config", None)
     if not getattr(target_config, "flash_head_cache_dir", None):
         return None  # reported by nobody: the status route reports the target's FlashHead, which has none
-    model_config = vllm_config.model_config
-    unsupported = _unsupported_reason(vllm_config)
-    controller = FlashHeadController.from_model_dir(
-        _resolve_model_dir(model_config),
-        config,
-        vocab_size=org_vocab_size,
-        unavailable=unsupported,
-        pinned_ids=tokenizer_stop_and_special_ids(model_config) if unsupported is None else (),
+    controller = _controller_from_model_dir(
+        vllm_config.model_config, config, org_vocab_size, _unsupported_reason(vllm_config)
     )
     return configure_draft(controller, config)
 
