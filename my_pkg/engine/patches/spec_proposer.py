@@ -101,6 +101,8 @@ def _build(proposer: Any, draft: FlashHeadController) -> None:
 def apply() -> None:
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
+    from my_pkg.engine.flashhead.draft import draft_rows  # imported once, not on every draft step
+
     require((SpecDecodeBaseProposer, "load_model"), (SpecDecodeBaseProposer, "_greedy_sample"))
     original_load = SpecDecodeBaseProposer.load_model
     original_greedy = SpecDecodeBaseProposer._greedy_sample
@@ -122,8 +124,6 @@ def apply() -> None:
         if draft is None:
             return original_greedy(self, hidden_states, *args, **kwargs)
         try:
-            from my_pkg.engine.flashhead.draft import draft_rows
-
             rows = draft_rows(int(hidden_states.shape[0]))
         except Exception as exc:  # noqa: BLE001 - this step's drafts are dense
             warn_once("drafter _greedy_sample", exc)
