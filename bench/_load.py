@@ -148,20 +148,33 @@ class Admin(AdminClient):
 
 @dataclass(frozen=True)
 class RowCounts:
-    """Decode rows served by FlashHead and by the dense head (by reason), from the status route."""
+    """Decode rows served by FlashHead and by the dense head (by reason), from the status route; under
+    speculative decoding also the verify rows and the drafter's rows FlashHead served."""
 
     flashhead: int
     dense: dict[str, int]
+    verify: int = 0
+    draft: int = 0
 
     @classmethod
     def of(cls, status: dict[str, Any]) -> RowCounts:
         counters = status["counters"]
-        return cls(int(counters["rows_flashhead"]), {k: int(v) for k, v in counters["rows_dense"].items()})
+        return cls(
+            int(counters["rows_flashhead"]),
+            {k: int(v) for k, v in counters["rows_dense"].items()},
+            int(counters.get("rows_flashhead_verify", 0)),
+            int(counters.get("rows_flashhead_draft", 0)),
+        )
 
     def __sub__(self, other: RowCounts) -> RowCounts:
         keys = set(self.dense) | set(other.dense)
         dense = {k: self.dense.get(k, 0) - other.dense.get(k, 0) for k in sorted(keys)}
-        return RowCounts(self.flashhead - other.flashhead, {k: v for k, v in dense.items() if v})
+        return RowCounts(
+            self.flashhead - other.flashhead,
+            {k: v for k, v in dense.items() if v},
+            self.verify - other.verify,
+            self.draft - other.draft,
+        )
 
     @property
     def total(self) -> int:

@@ -13,7 +13,8 @@ or all sampled (``--traffic``: temperature 0.7, top_p 0.9); throughput = complet
 wall time until the last answer.  Each (concurrency, traffic) gets ``--rounds`` paired rounds;
 the table gives the median FlashHead / dense ratio of the rounds and its spread.  Around every
 measurement the status route's row counters are read, to check that FlashHead rounds were
-served by FlashHead (sampled rows included) and dense rounds were not.  ``--write-docs`` also
+served by FlashHead (sampled rows included; under ``--spec`` the verify rows too, and the drafter's rows
+in the variant that drafts with FlashHead) and dense rounds were not.  ``--write-docs`` also
 states the targets (C = 1: >= 2.2x head-heavy, >= 1.8x Llama-1B-like; >= 1.0x everywhere) and
 whether they were met.  The measuring time is at least shapes x concurrencies x traffics x
 rounds x 2 x ``--seconds`` (printed at the start); bound it with those options.
@@ -71,6 +72,7 @@ class SpecVariant:
 
     label: str
     config: dict
+    flashhead_drafts: bool = False  # its FlashHead rounds draft with FlashHead (the draft model has assets)
 
 
 def spec_variants(method: str | None, flashhead_model: Path, base_model: Path) -> list[SpecVariant]:
@@ -93,6 +95,7 @@ def spec_variants(method: str | None, flashhead_model: Path, base_model: Path) -
                     "model": str(flashhead_model),
                     "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
                 },
+                flashhead_drafts=True,
             ),
         ]
     raise ValueError(f"--spec: one of {', '.join(SPEC_METHODS)}")
@@ -179,15 +182,21 @@ class Measurement:
     rows: RowCounts
     accepted: float = 0.0  # vLLM's accepted and drafted tokens during the measurement (speculative decoding)
     drafted: float = 0.0
+    flashhead_drafts: bool = False  # the variant's FlashHead rounds draft with FlashHead
 
     @property
     def check(self) -> bool:
         """FlashHead rounds went through FlashHead (no row sent dense for what its request asked, so the
-        sampled rows too); dense rounds never did."""
+        sampled rows too; under speculative decoding the verify rows, and the drafts when the variant drafts
+        with FlashHead); dense rounds never did, drafts included."""
         if self.load.errors or self.load.completion_tokens == 0:
             return False
         if self.mode == "dense":
-            return self.rows.flashhead == 0
+            return self.rows.flashhead == 0 and self.rows.verify == 0 and self.rows.draft == 0
+        if self.drafted and self.rows.verify == 0:
+            return False
+        if self.flashhead_drafts and self.rows.draft == 0:
+            return False
         return self.rows.flashhead > 0 and not REQUEST_REASONS & set(self.rows.dense)
 
 
@@ -255,6 +264,7 @@ def measure(
     rnd: int,
     args: argparse.Namespace,
     concurrency: int,
+    variant: SpecVariant | None = None,
 ) -> Measurement:
     admin.update(enabled=mode == "flashhead")
     before = RowCounts.of(admin.status())
@@ -267,8 +277,14 @@ def measure(
         raise RuntimeError(f"every completion failed ({mode}, {traffic}, C={concurrency}); see the server log")
     rows = RowCounts.of(admin.status()) - before
     accepted1, drafted1 = spec_counts(url) if spec else (0.0, 0.0)
-    m = Measurement(mode, traffic, rnd, load, rows, accepted1 - accepted0, drafted1 - drafted0)
-    acceptance = f"; acceptance {m.accepted:.0f}/{m.drafted:.0f}" if spec else ""
+    drafts = variant is not None and variant.flashhead_drafts
+    m = Measurement(mode, traffic, rnd, load, rows, accepted1 - accepted0, drafted1 - drafted0, drafts)
+    acceptance = (
+        f"; verify rows flashhead {rows.verify}, draft rows flashhead {rows.draft}, "
+        f"acceptance {m.accepted:.0f}/{m.drafted:.0f}"
+        if spec
+        else ""
+    )
     print(
         f"    C={concurrency:3d} {traffic:7s} round {rnd} {mode:9s}: {load.tokens_per_s:8.1f} tok/s  "
         f"({load.requests} requests, {load.completion_tokens} tokens, {load.wall_s:5.1f} s, "
@@ -339,7 +355,8 @@ def bench_server(shape: Shape, name: str, model: Path, variant: SpecVariant, arg
                     for i, traffic in enumerate(args.traffic):
                         order = MODES if (rnd + i) % 2 == 0 else MODES[::-1]
                         result.runs.setdefault((traffic, c), []).extend(
-                            measure(server.url, server.model, admin, mode, traffic, rnd, args, c) for mode in order
+                            measure(server.url, server.model, admin, mode, traffic, rnd, args, c, variant)
+                            for mode in order
                         )
                 for traffic in args.traffic:
                     key = (traffic, c)

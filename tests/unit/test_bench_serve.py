@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,24 @@ def test_spec_runs_one_server_per_variant_each_against_dense():
         spec_variants("eagle", flash, base)
 
 
+def test_spec_rounds_check_that_verify_and_draft_rows_went_where_the_mode_says():
+    load = LoadResult(1, requests=2, completion_tokens=100, wall_s=10.0)
+
+    def m(mode, verify, draft, *, drafted=30.0, flashhead_drafts=True):
+        rows = RowCounts(0 if mode == "dense" else 50, {}, verify, draft)
+        return Measurement(mode, "greedy", 0, load, rows, 20.0, drafted, flashhead_drafts)
+
+    assert m("flashhead", verify=40, draft=90).check
+    assert not m("flashhead", verify=40, draft=0).check  # the drafter's head stayed dense
+    assert m("flashhead", verify=40, draft=0, flashhead_drafts=False).check  # a dense drafter by design
+    assert not m("flashhead", verify=0, draft=90).check  # drafts were verified, but not by FlashHead
+    assert m("dense", verify=0, draft=0).check
+    assert not m("dense", verify=0, draft=3).check  # a dense round must not draft with FlashHead
+    assert not m("dense", verify=2, draft=0).check
+    _, both = spec_variants("draft", Path("x-flashhead"), Path("x"))
+    assert both.flashhead_drafts and not spec_variants("ngram", Path("x-flashhead"), Path("x"))[0].flashhead_drafts
+
+
 def test_spec_arguments_default_to_concurrency_1_and_8_and_print_only():
     plain, ngram, draft = parse_args([]), parse_args(["--spec", "ngram"]), parse_args(["--spec", "draft"])
     assert plain.spec is None and plain.concurrency == [1, 8, 32]
@@ -113,6 +132,8 @@ def test_a_spec_table_reports_each_modes_acceptance():
     result.variant = SpecVariant("FlashHead verify + draft", {"method": "draft_model"})
     for m in result.runs[("greedy", 1)]:
         m.accepted, m.drafted = (30.0, 60.0) if m.mode == "dense" else (57.0, 60.0)
+        if m.mode == "flashhead":  # FlashHead verified the drafts
+            m.rows = RowCounts(m.rows.flashhead, m.rows.dense, verify=80)
     rows = table(result)
     assert "acceptance dense | acceptance FlashHead |" in rows[0] and rows[1].count("|") == rows[0].count("|")
     assert "| 1 | greedy | 10.0 | 12.0 | 1.20x | 1.20..1.20 | 100% | 0.500 | 0.950 | ok |" in rows
