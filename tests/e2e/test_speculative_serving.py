@@ -14,7 +14,8 @@ from tests.support.server import VllmServer
 
 pytestmark = pytest.mark.e2e
 
-#: Prompts that repeat n-grams, so that the n-gram proposer finds drafts in them.
+#: Prompts that repeat n-grams, so that the n-gram proposer finds drafts in them (16, as the issue's equality
+#: check asks; a prompt's answer costs well under a second next to a server's start-up).
 PROMPTS = [
     "one two three one two three one two three one two",
     "the cat sat on the mat . the cat sat on the mat . the cat",
@@ -24,6 +25,14 @@ PROMPTS = [
     "to be or not to be , to be or not to be",
     "1 2 3 4 5 1 2 3 4 5 1 2 3",
     "x y x y x y x y x y",
+    "up down up down up down up down up",
+    "water air earth water air earth water air",
+    "sun sea sun sea sun sea sun sea",
+    "north 1 2 north 1 2 north 1 2 north",
+    "good day good day good day good",
+    "home school home school home school home",
+    "true false null true false null true false",
+    "{ name : age } { name : age } { name :",
 ]
 FLASHHEAD = "/plugins/my_pkg/flashhead"
 
