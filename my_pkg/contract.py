@@ -206,10 +206,11 @@ SPEC_REASON_CODES: Final[dict[str, str]] = {
     "spec_hook_failed": "vLLM's speculative-decoding metadata could not be hooked (a vLLM internal moved)",
     "no_draft_head": "the drafter has no LM head (n-gram, suffix decoding)",
     "draft_head_not_supported": "FlashHead as this method's draft head is not implemented in this version "
-    "(only `draft_model` drafters: EAGLE, EAGLE-3, MTP and Medusa heads stay dense)",
+    "(only `draft_model`, EAGLE and EAGLE-3 drafters: MTP and Medusa heads stay dense)",
     "draft_not_loaded": "the drafter is not loaded yet (decided right after vLLM loads it)",
     "draft_hook_failed": "vLLM's drafter could not be hooked (a vLLM internal moved)",
-    "draft_no_assets": "the draft model has no FlashHead assets (no `flash_head_cache_dir` in its config.json)",
+    "draft_no_assets": "the drafter's head has no FlashHead assets (a draft model without `flash_head_cache_dir` "
+    "in its config.json, an EAGLE head with an LM head of its own)",
     "draft_vocab_mismatch": "the drafter's vocabulary differs from the target's",
     "draft_head_unavailable": "the draft model's FlashHead head cannot serve (its assets or its LM head, see `reason`)",
 }

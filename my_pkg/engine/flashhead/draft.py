@@ -1,12 +1,21 @@
-"""FlashHead as the drafter's head under speculative decoding (`method: draft_model`).
+"""FlashHead as the drafter's head under speculative decoding (`method: draft_model`, `eagle`, `eagle3`).
 
-A draft model that is itself a FlashHead checkpoint (its config.json names its assets, as
-`my-pkg flashhead build` writes them) gets its own `FlashHeadController` while vLLM builds it
-(`patches/logits_processor.py`), with its own probe count, `draft_n_probes`. Right after vLLM loads
-the drafter, `patches/spec_proposer.py` links it to the target's controller (`link`) or records why
-the drafter's head stays dense (`refusal`); from then on each greedy draft step arms the drafter's
-controller with all of its rows (`draft_rows`), so that the drafter's `compute_logits` call goes
-through FlashHead as a decode step does.
+Two kinds of drafter compute their logits through a head FlashHead has assets for:
+
+- a draft model that is itself a FlashHead checkpoint (its config.json names its assets, as
+  `my-pkg flashhead build` writes them): its own head, over its own assets;
+- an EAGLE / EAGLE-3 head without an `lm_head` of its own: vLLM gives it the target's LM head
+  (`SpecDecodeBaseProposer._maybe_share_lm_head`), so its logits are the target's head's, over the
+  target's assets. An EAGLE head that brings its own LM head has no assets (`draft_no_assets`).
+
+Either drafter gets its own `FlashHeadController` while vLLM builds it (`patches/logits_processor.py`:
+vLLM builds an EAGLE head under the target's model config, so that controller reads the target's
+assets), with its own probe count, `draft_n_probes`. Right after vLLM loads the drafter,
+`patches/spec_proposer.py` links it to the target's controller (`link`) or records why the drafter's
+head stays dense (`refusal`); from then on each greedy draft step arms the drafter's controller with
+all of its rows (`draft_rows`), so that the drafter's `compute_logits` call goes through FlashHead as a
+decode step does. An EAGLE drafter's head is a second FlashHead head over the same LM-head weight (the
+weight is shared, the centroids and cluster tables are its own copy).
 
 Drafts never change what the target emits (vLLM's rejection sampler verifies them against the
 target's logits); a draft token FlashHead picks differently from the dense drafter only changes
@@ -23,7 +32,7 @@ import numpy as np
 
 from my_pkg.engine.flashhead.controller import FlashHeadController
 from my_pkg.engine.flashhead.rows import StepRows
-from my_pkg.engine.flashhead.spec import DRAFT_HEAD_METHODS, with_draft
+from my_pkg.engine.flashhead.spec import DRAFT_HEAD_METHODS, SHARED_HEAD_METHODS, with_draft
 from my_pkg.engine.vllm_uses import attributes
 
 __all__ = ["configure_draft", "default_draft_n_probes", "draft_rows", "link", "refusal"]
@@ -42,9 +51,9 @@ VLLM_SYMBOLS = (
 
 
 def default_draft_n_probes(config: dict[str, Any], num_clusters: int | None) -> int:
-    """The drafter's probe count at start-up: the draft checkpoint's own `n_probes` (the builder's
-    calibrated choice for its top-1 agreement target), else the builder's default; at most its clusters.
-    `MY_PKG_FLASHHEAD_N_PROBES` sets the target's count only."""
+    """The drafter's probe count at start-up: the checkpoint's own `n_probes` (the builder's calibrated choice
+    for its top-1 agreement target; an EAGLE head's is the target's), else the builder's default; at most its
+    clusters. `MY_PKG_FLASHHEAD_N_PROBES` sets the target's count only."""
     from my_pkg.flashhead.head import default_n_probes
 
     configured = config.get("n_probes")
@@ -77,21 +86,29 @@ def _has_assets(model_config: Any) -> bool:
 
 
 def refusal(
-    proposer: Any, target: FlashHeadController, draft: FlashHeadController | None
+    proposer: Any,
+    target: FlashHeadController,
+    draft: FlashHeadController | None,
+    *,
+    shares_target_head: bool = False,
 ) -> tuple[str, str | None] | None:
     """`(SpecReasonCode, detail)` when the drafter's head cannot be FlashHead, else None.
 
     `proposer` is vLLM's drafter (a `SpecDecodeBaseProposer`) once it loaded its model, `draft` the
-    controller found in that model (None when its logits processor made none)."""
+    controller found in that model (None when its logits processor made none), `shares_target_head`
+    whether the drafter computes its logits with the target's LM head module (an EAGLE head's assets
+    are the target's: they fit no other head)."""
     method = getattr(proposer, "method", None)
     if method not in DRAFT_HEAD_METHODS:
         return ("draft_head_not_supported", f"method {method!r}")
     if getattr(proposer, "use_heterogeneous_vocab", False):
         return ("draft_vocab_mismatch", "vLLM maps the drafter's tokenizer onto the target's")
+    if method in SHARED_HEAD_METHODS and not shares_target_head:
+        return ("draft_no_assets", "the EAGLE head has an LM head of its own; FlashHead's assets are the target's")
     if draft is None:
-        if not _has_assets(getattr(proposer, "draft_model_config", None)):
+        if method not in SHARED_HEAD_METHODS and not _has_assets(getattr(proposer, "draft_model_config", None)):
             return ("draft_no_assets", None)
-        return ("draft_head_unavailable", "the draft model's logits processor has no FlashHead controller")
+        return ("draft_head_unavailable", "the drafter's logits processor has no FlashHead controller")
     if draft.vocab_size != target.vocab_size:
         return ("draft_vocab_mismatch", f"{draft.vocab_size} draft tokens, {target.vocab_size} target tokens")
     if getattr(proposer, "use_local_argmax_reduction", False):

@@ -2,11 +2,11 @@
 
 Verify: the target's verify and bonus rows, served by FlashHead under the V1 model runner
 (`patches/model_runner.py`). Draft: the drafter's head, served by FlashHead when the drafter is a
-draft model (`method: draft_model`) that is itself a FlashHead checkpoint with the target's vocabulary
-(`flashhead/draft.py`, `patches/spec_proposer.py`); decided when vLLM loads the drafter, right after
-the target. Each part has its own `reason_code` (`contract.SpecReasonCode`); FlashHead stays on for
-every other row. Imports the contract (and the vLLM-free `vllm_uses` helper) only; vLLM's config
-reaches it as a plain argument.
+draft model (`method: draft_model`) that is itself a FlashHead checkpoint with the target's vocabulary,
+or an EAGLE / EAGLE-3 head that computes its logits with the target's LM head (`flashhead/draft.py`,
+`patches/spec_proposer.py`); decided when vLLM loads the drafter, right after the target. Each part
+has its own `reason_code` (`contract.SpecReasonCode`); FlashHead stays on for every other row. Imports
+the contract (and the vLLM-free `vllm_uses` helper) only; vLLM's config reaches it as a plain argument.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ VLLM_SYMBOLS = (
     *attributes("vllm.config:SpeculativeConfig", "method", "num_speculative_tokens", "draft_sample_method"),
 )
 
-__all__ = ["DRAFT_HEAD_METHODS", "MODEL_FREE_METHODS", "effective", "spec_state", "with_draft"]
+__all__ = ["DRAFT_HEAD_METHODS", "MODEL_FREE_METHODS", "SHARED_HEAD_METHODS", "effective", "spec_state", "with_draft"]
 
 #: Speculative methods whose drafts come without an LM head.
 MODEL_FREE_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
-#: Speculative methods whose drafter's head FlashHead can serve: a separate draft model.
-DRAFT_HEAD_METHODS = frozenset({"draft_model"})
+#: Speculative methods whose drafter's head FlashHead can serve: a separate draft model, and EAGLE heads.
+DRAFT_HEAD_METHODS = frozenset({"draft_model", "eagle", "eagle3"})
+#: Of those, the drafters served over the target's assets: vLLM gives an EAGLE head without an `lm_head` of
+#: its own the target's (`SpecDecodeBaseProposer._maybe_share_lm_head`), so its logits are the target's head's.
+SHARED_HEAD_METHODS = frozenset({"eagle", "eagle3"})
 
 
 def _part(code: str | None, detail: str | None = None) -> SpecPart:
@@ -41,8 +44,8 @@ def spec_state(
 ) -> SpecState | None:
     """The parts for this configuration (None without speculative decoding). `v2`: vLLM runs Model
     Runner V2; `hook_error`: why V1's speculative metadata is not hooked (None when it is);
-    `draft_hook_error`: why vLLM's drafter is not hooked (None when it is). A draft model's part is
-    `draft_not_loaded` until the drafter is loaded (`with_draft`)."""
+    `draft_hook_error`: why vLLM's drafter is not hooked (None when it is). A draft model's or EAGLE
+    head's part is `draft_not_loaded` until the drafter is loaded (`with_draft`)."""
     if speculative_config is None:
         return None
     method = getattr(speculative_config, "method", None)

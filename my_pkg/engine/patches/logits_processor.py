@@ -184,13 +184,15 @@ def _controller_from_model_dir(
 
 def _make_draft_controller(vllm_config: Any, config: dict[str, Any], org_vocab_size: int) -> Any:
     """The drafter's own controller (`flashhead/draft.py`) while vLLM builds a draft model (`draft_model`)
-    with FlashHead assets beside a FlashHead target; None for every other drafter, whose head stays dense
+    with FlashHead assets beside a FlashHead target; None for every other drafter: an EAGLE head gets its
+    controller once it has the target's LM head (`make_shared_draft_controller`), the others stay dense
     (`spec.draft` says why once the drafter is loaded)."""
     from my_pkg.engine.flashhead.draft import configure_draft
-    from my_pkg.engine.flashhead.spec import DRAFT_HEAD_METHODS
+    from my_pkg.engine.flashhead.spec import DRAFT_HEAD_METHODS, SHARED_HEAD_METHODS
 
     speculative_config = getattr(vllm_config, "speculative_config", None)
-    if getattr(speculative_config, "method", None) not in DRAFT_HEAD_METHODS:
+    method = getattr(speculative_config, "method", None)
+    if method not in DRAFT_HEAD_METHODS or method in SHARED_HEAD_METHODS:
         return None
     target_config = getattr(getattr(speculative_config, "target_model_config", None), "hf_config", None)
     if not getattr(target_config, "flash_head_cache_dir", None):
@@ -198,6 +200,22 @@ def _make_draft_controller(vllm_config: Any, config: dict[str, Any], org_vocab_s
     controller = _controller_from_model_dir(
         vllm_config.model_config, config, org_vocab_size, _unsupported_reason(vllm_config)
     )
+    return configure_draft(controller, config)
+
+
+def make_shared_draft_controller(vllm_config: Any, org_vocab_size: int) -> Any:
+    """A drafter's controller over the target's assets, for an EAGLE head whose logits processor computes
+    its logits with the target's LM head (`patches/spec_proposer.py`); None when the target has no assets."""
+    from my_pkg.engine.flashhead.draft import configure_draft
+
+    model_config = getattr(getattr(vllm_config, "speculative_config", None), "target_model_config", None)
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is None:
+        return None
+    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    if not config.get("flash_head_cache_dir"):
+        return None
+    controller = _controller_from_model_dir(model_config, config, org_vocab_size, _unsupported_reason(vllm_config))
     return configure_draft(controller, config)
 
 

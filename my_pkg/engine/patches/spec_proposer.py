@@ -4,9 +4,12 @@ MTP drafters' base class).
 Installed with every FlashHead hook (`patches.on_flashhead_model`, before the target is built, so
 before the drafter loads):
 
-- `load_model(target_model)`: right after vLLM loads the drafter, finds the target's controller and
-  the drafter's (`flashhead/draft.py`), decides the draft part (`draft.refusal`, `draft.link`) and
-  builds the drafter's head, so that vLLM's KV-cache sizing counts its memory.
+- `load_model(target_model)`: right after vLLM loads the drafter (and gave an EAGLE head the target's
+  LM head), finds the target's controller and the drafter's (`flashhead/draft.py`), decides the draft
+  part (`draft.refusal`, `draft.link`) and builds the drafter's head, so that vLLM's KV-cache sizing
+  counts its memory. An EAGLE head's controller is made here, over the target's assets: while vLLM
+  builds and loads the head it has no LM head yet (vLLM's model loader would otherwise build FlashHead
+  over the only vocabulary-sized module it has, its embedding).
 - `_greedy_sample(hidden_states)`: the one call through which a drafter picks its greedy draft tokens
   (`compute_logits(...).argmax(-1)`); with a linked FlashHead drafter it runs armed with the step's
   rows (`draft.draft_rows`), so the drafter's `compute_logits` goes through FlashHead. Probabilistic
@@ -39,7 +42,7 @@ VLLM_SYMBOLS = (
         "method",
         params=("self", "hidden_states"),
     ),
-    *attributes("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "model"),
+    *attributes("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "model", "vllm_config"),
     *attributes("vllm.config:ModelConfig", "enable_sleep_mode"),
 )
 #: Where the linked drafter's controller is kept on the proposer.
@@ -54,6 +57,7 @@ _DECIDED_AT_LOAD = frozenset(
 def link_drafter(proposer: Any, target_model: Any) -> None:
     """Decide the draft part of the target's status, and build the drafter's head when it is FlashHead."""
     from my_pkg.engine.flashhead.draft import link, refusal
+    from my_pkg.engine.flashhead.spec import SHARED_HEAD_METHODS
 
     proposer.__dict__.pop(DRAFT_ATTR, None)
     target = controller_in(target_model)
@@ -61,7 +65,10 @@ def link_drafter(proposer: Any, target_model: Any) -> None:
     if spec is None or spec.draft.reason_code not in _DECIDED_AT_LOAD:
         return  # no FlashHead target, or a part decided by the configuration (model-free, V2, other methods)
     draft = controller_in(getattr(proposer, "model", None))
-    refused = refusal(proposer, target, draft)
+    shares_target_head = _shares_target_head(proposer, target_model)
+    if draft is None and shares_target_head and getattr(proposer, "method", None) in SHARED_HEAD_METHODS:
+        draft = _shared_head_controller(proposer)
+    refused = refusal(proposer, target, draft, shares_target_head=shares_target_head)
     if refused is None and draft is not None:
         _build(proposer, draft)
         if not draft.available:
@@ -69,6 +76,20 @@ def link_drafter(proposer: Any, target_model: Any) -> None:
     link(target, draft, refused)
     if refused is None:
         proposer.__dict__[DRAFT_ATTR] = draft
+
+
+def _shares_target_head(proposer: Any, target_model: Any) -> bool:
+    """Whether the drafter computes its logits with the target's LM head module (vLLM shares it with an
+    EAGLE head that has none of its own)."""
+    target_head = _lm_head(target_model)
+    return target_head is not None and _lm_head(getattr(proposer, "model", None)) is target_head
+
+
+def _lm_head(model: Any) -> Any:
+    if model is None:
+        return None
+    unwrap = getattr(model, "unwrap", None)
+    return lm_head_of(unwrap() if callable(unwrap) else model)
 
 
 def _record_failure(target_model: Any, exc: BaseException) -> None:
@@ -86,16 +107,34 @@ def _record_failure(target_model: Any, exc: BaseException) -> None:
 
 def _build(proposer: Any, draft: FlashHeadController) -> None:
     """Build the drafter's head over the drafter's LM head (as `runner_hooks.prepare_after_load` does the
-    target's); under sleep mode, or when the LM head is not one module, its first logits call does."""
+    target's), unless vLLM's model loader did (`patches/model_loader.py`); under sleep mode, or when the LM
+    head is not one module, its first logits call does."""
     from my_pkg.engine.patches.logits_processor import build_head
 
     if draft.head is not None or getattr(getattr(proposer, "draft_model_config", None), "enable_sleep_mode", False):
         return
-    model = proposer.model
-    unwrap = getattr(model, "unwrap", None)
-    lm_head = lm_head_of(unwrap() if callable(unwrap) else model)
+    lm_head = _lm_head(proposer.model)
     if lm_head is not None:
         build_head(draft, lm_head)
+
+
+def _shared_head_controller(proposer: Any) -> FlashHeadController | None:
+    """Give an EAGLE head that computes its logits with the target's LM head a drafter's controller over the
+    target's assets, on its logits processor (the one FlashHead processor in the drafter); None when it has
+    no such processor or the target's assets cannot serve it. Made here, not while vLLM builds the drafter:
+    until `load_model` shares the target's LM head, the drafter has none to build it over."""
+    from my_pkg.engine.patches.logits_processor import CONTROLLER_ATTR, make_shared_draft_controller, subclass
+
+    model = proposer.model
+    unwrap = getattr(model, "unwrap", None)
+    model = unwrap() if callable(unwrap) else model
+    processors = [m for m in model.modules() if isinstance(m, subclass()) and not m.logits_as_input]
+    if len(processors) != 1:
+        return None
+    controller = make_shared_draft_controller(proposer.vllm_config, processors[0].org_vocab_size)
+    if controller is not None:
+        processors[0].__dict__[CONTROLLER_ATTR] = controller
+    return controller
 
 
 def apply() -> None:

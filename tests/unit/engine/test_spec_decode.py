@@ -199,7 +199,9 @@ def test_steps_the_hooks_mark_dense_and_wrong_row_counts_are_counted(controller)
     [
         (NGRAM, False, None, None, "no_draft_head"),
         (SimpleNamespace(method="suffix", num_speculative_tokens=4), False, None, None, "no_draft_head"),
-        (SimpleNamespace(method="eagle3", num_speculative_tokens=3), False, None, None, "draft_head_not_supported"),
+        (SimpleNamespace(method="eagle3", num_speculative_tokens=3), False, None, None, "draft_not_loaded"),
+        (SimpleNamespace(method="eagle", num_speculative_tokens=2), True, None, "model_runner_v2", "model_runner_v2"),
+        (SimpleNamespace(method="medusa", num_speculative_tokens=2), False, None, None, "draft_head_not_supported"),
         (SimpleNamespace(method="mtp", num_speculative_tokens=1), False, None, None, "draft_head_not_supported"),
         (DRAFT_MODEL, False, None, None, "draft_not_loaded"),  # decided when the drafter loads (test_spec_draft)
         (DRAFT_MODEL, True, None, "model_runner_v2", "model_runner_v2"),

@@ -1,6 +1,7 @@
-"""FlashHead as the drafter's head (`method: draft_model`): vLLM's real `DraftModelProposer._greedy_sample`
-(hooked) over a draft model with vLLM's `ParallelLMHead` and our logits processor; the draft part of the
-status, its counters, its refusals and its fallback."""
+"""FlashHead as the drafter's head: vLLM's real `DraftModelProposer._greedy_sample` (hooked, `method:
+draft_model`) over a draft model with vLLM's `ParallelLMHead` and our logits processor, and vLLM's real
+`EagleProposer` over an EAGLE head that vLLM gave the target's LM head; the draft part of the status, its
+counters, its refusals and its fallback."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from my_pkg.engine.flashhead.spec import spec_state
 VOCAB, HIDDEN, CAP = 256, 16, 16
 CLUSTERS = VOCAB // CAP
 DRAFT_MODEL = SimpleNamespace(method="draft_model", num_speculative_tokens=3, draft_sample_method="greedy")
+EAGLE = SimpleNamespace(method="eagle", num_speculative_tokens=2, draft_sample_method="greedy")
 
 
 def _assets(weight: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,8 +235,9 @@ def test_a_part_the_configuration_decided_is_left_as_it_is(setup):
     assert spec_proposer.DRAFT_ATTR not in setup.proposer.__dict__
 
 
-def _proposer(**change):
+def _proposer(shares=False, **change):
     fields = dict(
+        shares=shares,
         method="draft_model",
         use_heterogeneous_vocab=False,
         use_local_argmax_reduction=False,
@@ -259,7 +262,13 @@ def _controller(vocab=VOCAB, available=True):
     ("proposer", "draft", "code"),
     [
         (_proposer(), "ok", None),
-        (_proposer(method="eagle3"), "ok", "draft_head_not_supported"),
+        (_proposer(method="mtp"), "ok", "draft_head_not_supported"),
+        (_proposer(method="medusa"), "ok", "draft_head_not_supported"),
+        (_proposer(method="eagle", shares=True), "ok", None),
+        (_proposer(method="eagle3", shares=True), "ok", None),
+        (_proposer(method="eagle"), "ok", "draft_no_assets"),  # its own LM head: the assets are the target's
+        (_proposer(method="eagle", shares=True), None, "draft_head_unavailable"),
+        (_proposer(method="eagle3", shares=True), "other vocabulary", "draft_vocab_mismatch"),
         (_proposer(use_heterogeneous_vocab=True), "ok", "draft_vocab_mismatch"),
         (_proposer(draft_model_config=SimpleNamespace(hf_config=SimpleNamespace())), None, "draft_no_assets"),
         (_proposer(), None, "draft_head_unavailable"),
@@ -275,7 +284,7 @@ def test_each_refusal_has_its_code(proposer, draft, code):
         "no assets": lambda: _controller(available=False),
         None: lambda: None,
     }
-    refused = refusal(proposer, _controller(), drafts[draft]())
+    refused = refusal(proposer, _controller(), drafts[draft](), shares_target_head=proposer.shares)
     assert (refused[0] if refused else None) == code
 
 
@@ -307,7 +316,8 @@ def test_only_a_draft_model_beside_a_flashhead_target_gets_a_drafters_controller
     from my_pkg.engine.patches.logits_processor import _make_draft_controller
 
     config = {"flash_head_cache_dir": "flash_head_assets", "n_probes": 5}
-    assert _make_draft_controller(_vllm_config("eagle3"), config, VOCAB) is None
+    for method in ("eagle", "eagle3", "mtp", "medusa"):  # an EAGLE head gets its controller when it loads (below)
+        assert _make_draft_controller(_vllm_config(method), config, VOCAB) is None
     assert _make_draft_controller(_vllm_config("draft_model", target_assets=False), config, VOCAB) is None
     controller = _make_draft_controller(_vllm_config("draft_model"), config, VOCAB)
     assert isinstance(controller, FlashHeadController)
@@ -315,3 +325,118 @@ def test_only_a_draft_model_beside_a_flashhead_target_gets_a_drafters_controller
     assert (
         controller.unavailable_code == "assets_invalid"
     )  # no such directory: refused at load (draft_head_unavailable)
+
+
+# ---- EAGLE: a head that computes its logits with the target's LM head ------------------------------------
+
+
+@pytest.fixture
+def eagle(setup, monkeypatch):
+    """vLLM's real EAGLE proposer over an EAGLE head as `load_model` leaves it: vLLM gave it the target's LM head
+    module (`_maybe_share_lm_head`), its own logits processor has no controller (none is made while vLLM builds
+    an EAGLE head). The controller the hook makes over the target's assets is built from the target's centroids
+    here (the real maker reads them from the target's model directory: tested below)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    from my_pkg.engine.patches import logits_processor
+
+    setup.target.spec = spec_state(EAGLE, v2=False, hook_error=None, draft_hook_error=None)
+    with set_current_vllm_config(VllmConfig()):
+        drafter = _model(None, 3)
+    drafter.lm_head = setup.target_model.lm_head
+    made = []
+
+    def make(vllm_config, org_vocab_size):
+        made.append((vllm_config, org_vocab_size))
+        centroids, assignments = _assets(setup.target_model.lm_head.weight.detach(), 1)  # the target's assets
+        controller = FlashHeadController(
+            centroids=centroids, assignments=assignments, config={}, vocab_size=org_vocab_size
+        )
+        return configure_draft(controller, {"n_probes": 3})
+
+    monkeypatch.setattr(logits_processor, "make_shared_draft_controller", make)
+    proposer = object.__new__(EagleProposer)
+    proposer.__dict__.update(
+        method="eagle",
+        use_heterogeneous_vocab=False,
+        use_local_argmax_reduction=False,
+        model=drafter,
+        vllm_config="the engine's config",
+        draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(), enable_sleep_mode=False),
+    )
+    yield SimpleNamespace(setup=setup, proposer=proposer, drafter=drafter, made=made)
+
+
+def _target_argmax(eagle, hidden):
+    return (hidden @ eagle.setup.target_model.lm_head.weight.detach().T).argmax(-1)
+
+
+def test_an_eagle_head_drafts_through_flashhead_over_the_targets_lm_head(eagle):
+    from my_pkg.engine.patches import spec_proposer
+
+    target, proposer, lm_head = eagle.setup.target, eagle.proposer, eagle.setup.target_model.lm_head
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(proposer._greedy_sample(hidden), _target_argmax(eagle, hidden))  # not linked: vLLM's own
+    assert target.status().spec.draft.reason_code == "draft_not_loaded"
+
+    spec_proposer.link_drafter(proposer, eagle.setup.target_model)
+    assert eagle.made == [("the engine's config", VOCAB)]  # made from the engine's config, at the head's vocabulary
+    draft = eagle.drafter.logits_processor._my_pkg_flashhead
+    assert draft is not None and target.draft is draft and draft is not target
+    assert draft.head is not None and draft.head.weight is lm_head.weight  # over the shared weight, not a copy
+    assert draft.head is not target.head and target.head.n_probes == 2
+    state = FlashHeadState.model_validate(target.status().model_dump())
+    assert state.spec.method == "eagle" and state.spec.draft.active and state.spec.draft_n_probes == 3
+
+    drafts = proposer._greedy_sample(hidden)  # vLLM's own method, hooked
+    assert torch.equal(drafts, draft.head.step_logits(hidden).argmax(-1))
+    counters = target.status().counters
+    assert counters.rows_flashhead_draft == 5 and counters.rows_flashhead == 0 and counters.rows_dense_draft == 0
+    # Every cluster probed: the dense drafter's argmax, the target's head untouched.
+    draft.settings.n_probes = draft.head.n_probes = CLUSTERS
+    assert torch.equal(proposer._greedy_sample(hidden), _target_argmax(eagle, hidden))
+    assert target.head.n_probes == 2
+
+    # vLLM loads the drafter again: the controller already on its processor is linked again, none is made.
+    spec_proposer.link_drafter(proposer, eagle.setup.target_model)
+    assert len(eagle.made) == 1 and target.draft is draft and target.status().spec.draft.active
+
+
+def test_an_eagle_head_with_its_own_lm_head_stays_dense(eagle):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from my_pkg.engine.patches import spec_proposer
+
+    with set_current_vllm_config(VllmConfig()):
+        eagle.drafter.lm_head = _model(None, 4).lm_head  # trained its own: FlashHead's assets do not fit it
+    spec_proposer.link_drafter(eagle.proposer, eagle.setup.target_model)
+    state = eagle.setup.target.status()
+    assert state.spec.draft.reason_code == "draft_no_assets" and "own" in state.spec.draft.reason
+    assert eagle.made == [] and eagle.drafter.logits_processor._my_pkg_flashhead is None
+    hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(8))
+    expected = (hidden @ eagle.drafter.lm_head.weight.detach().T).argmax(-1)
+    assert torch.equal(eagle.proposer._greedy_sample(hidden), expected)
+    assert eagle.setup.target.status().counters.rows_flashhead_draft == 0
+
+
+def test_an_eagle_heads_controller_reads_the_targets_assets_at_its_own_probe_count(tmp_path):
+    """The real maker: the target's model config (the drafter's is the EAGLE checkpoint's), its `n_probes` as the
+    drafter's, no fidelity check; a target without assets gives none."""
+    from my_pkg.engine.patches.logits_processor import make_shared_draft_controller
+
+    def config(target_hf):
+        target = SimpleNamespace(model=str(tmp_path / "missing"), revision=None, hf_config=target_hf)
+        return SimpleNamespace(
+            speculative_config=SimpleNamespace(method="eagle", target_model_config=target),
+            model_config=SimpleNamespace(dtype=torch.float32, head_dtype=None),
+            parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+            lora_config=None,
+        )
+
+    assets = SimpleNamespace(flash_head_cache_dir="flash_head_assets", n_probes=7)
+    controller = make_shared_draft_controller(config(assets), VOCAB)
+    assert isinstance(controller, FlashHeadController)
+    assert controller.settings.n_probes == 7 and controller.settings.fidelity_every == 0 and controller.spec is None
+    assert controller.unavailable_code == "assets_invalid"  # no such directory: refused at load
+    assert make_shared_draft_controller(config(SimpleNamespace()), VOCAB) is None

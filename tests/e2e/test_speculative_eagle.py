@@ -1,0 +1,118 @@
+"""FlashHead as an EAGLE drafter's head in a real vLLM server (V1 runner on CPU, `method: eagle`).
+
+The EAGLE-1 head (`tests/support/tiny_eagle.py`) has no LM head of its own, so vLLM computes its draft logits
+with the target's; FlashHead then serves them over the target's assets at the drafter's own probe count
+(`draft_n_probes`). Greedy answers equal FlashHead without speculation token for token, draft rows are
+counted apart, and the acceptance rate with the FlashHead drafter is printed next to the dense drafter's (the
+same server with `draft_n_probes` at every cluster: FlashHead then scores every token exactly).
+
+The head is random (no training here): it passes the target's hidden state through nearly unchanged, so its
+draft at a position is close to the target's own pick one position earlier. Its acceptance says that EAGLE
+drafting through FlashHead works end to end, not what it costs a trained EAGLE head.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2e_support import ADMIN_TOKEN, BOTH_HALVES, DEFAULT_PROBES, NUM_CLUSTERS, RPC_TIMEOUT, auth, client
+from test_speculative_serving import FLASHHEAD, PROMPTS, _spec_counts, _status, _tokens
+
+from tests.support.server import VllmServer
+from tests.support.tiny_eagle import build_tiny_eagle
+
+pytestmark = pytest.mark.e2e
+
+NUM_SPECULATIVE_TOKENS = 2
+
+
+@pytest.fixture(scope="module")
+def eagle_head(flashhead_model: Path, e2e_dir: Path) -> Path:
+    return build_tiny_eagle(e2e_dir / "tiny-eagle", flashhead_model)
+
+
+@pytest.fixture(scope="module")
+def eagle_server(flashhead_model: Path, eagle_head: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """The FlashHead model with the EAGLE head drafting for it, both halves."""
+    spec = {"method": "eagle", "model": str(eagle_head), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    env: dict[str, str | None] = {
+        "VLLM_API_KEY": None,
+        "MY_PKG_DISABLE": None,
+        "MY_PKG_FLASHHEAD": None,
+        "MY_PKG_STATUS_MAX_AGE": "0",  # every read asks the worker: counters are compared across requests
+        "VLLM_PLUGINS": BOTH_HALVES,
+        "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
+        "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
+    }
+    with VllmServer(
+        model=str(flashhead_model),
+        args=["--speculative-config", json.dumps(spec)],
+        env=env,
+        log_path=logs_dir / "eagle.log",
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference(flashhead_server: VllmServer) -> list[list[int]]:
+    """FlashHead without speculation: the answers speculation must not change."""
+    with client(flashhead_server) as http:
+        return [_tokens(http, prompt) for prompt in PROMPTS]
+
+
+def _put(http, update: dict):
+    return http.put(FLASHHEAD, json=update, headers=auth(ADMIN_TOKEN))
+
+
+def _serve_prompts(http) -> tuple[list[list[int]], float, float, dict, dict]:
+    """The greedy answers, vLLM's (accepted, drafted) over them, and the FlashHead status before and after."""
+    before, (accepted0, drafted0) = _status(http), _spec_counts(http)
+    answers = [_tokens(http, prompt) for prompt in PROMPTS]
+    after, (accepted1, drafted1) = _status(http), _spec_counts(http)
+    return answers, accepted1 - accepted0, drafted1 - drafted0, before, after
+
+
+def test_the_eagle_heads_drafts_go_through_flashhead_and_answers_stay_flashheads(eagle_server: VllmServer, reference):
+    with client(eagle_server) as http:
+        fresh = _status(http)
+        assert fresh["active"] and fresh["counters"]["steps"] == 0
+        spec = fresh["spec"]
+        assert spec["method"] == "eagle" and spec["num_speculative_tokens"] == NUM_SPECULATIVE_TOKENS
+        assert spec["verify"]["active"] and spec["draft"] == {"active": True, "reason": None, "reason_code": None}
+        assert spec["draft_n_probes"] == DEFAULT_PROBES  # the target's checkpoint's n_probes: its assets
+
+        answers, accepted, drafted, before, after = _serve_prompts(http)
+        for prompt, got, expected in zip(PROMPTS, answers, reference):
+            assert got == expected, prompt
+        counters, counted = after["counters"], before["counters"]
+        assert drafted > 0
+        assert counters["rows_flashhead_draft"] - counted["rows_flashhead_draft"] >= drafted  # a row per draft
+        assert counters["rows_dense_draft"] == counted["rows_dense_draft"]
+        assert counters["fallbacks"] == counted["fallbacks"]
+        assert counters["rows_flashhead_verify"] > counted["rows_flashhead_verify"]
+
+        # The dense drafter: every cluster probed. Answers unchanged, the target's n_probes untouched.
+        response = _put(http, {"draft_n_probes": NUM_CLUSTERS})
+        assert response.status_code == 200, response.text
+        try:
+            dense_answers, dense_accepted, dense_drafted, dense_before, dense_after = _serve_prompts(http)
+        finally:
+            assert _put(http, {"draft_n_probes": DEFAULT_PROBES}).status_code == 200
+        assert dense_after["spec"]["draft_n_probes"] == NUM_CLUSTERS and dense_after["n_probes"] == DEFAULT_PROBES
+        assert dense_answers == reference
+        assert (
+            dense_after["counters"]["rows_flashhead_draft"] - dense_before["counters"]["rows_flashhead_draft"]
+            >= dense_drafted
+        )
+        assert _status(http)["spec"]["draft_n_probes"] == DEFAULT_PROBES
+
+    flash_rate, dense_rate = accepted / drafted, dense_accepted / max(dense_drafted, 1)
+    print(
+        f"\neagle (random EAGLE-1 head over the target's LM head), greedy, {len(PROMPTS)} prompts, FlashHead "
+        f"verify: acceptance {flash_rate:.3f} ({accepted:.0f}/{drafted:.0f}) with the FlashHead drafter "
+        f"(draft_n_probes {DEFAULT_PROBES}), {dense_rate:.3f} ({dense_accepted:.0f}/{dense_drafted:.0f}) with the "
+        f"dense drafter (draft_n_probes {NUM_CLUSTERS}: every cluster)"
+    )
