@@ -112,6 +112,14 @@ VARIABLES: dict[str, EnvVar] = {
             default_doc="config.json `n_probes`, else the builder's default",
         ),
         EnvVar(
+            "MY_PKG_FLASHHEAD_DRAFT_N_PROBES",
+            None,
+            integer(1),
+            "clusters the drafter's FlashHead head scores exactly per draft token at start-up",
+            _ENGINE,
+            default_doc="the drafter's checkpoint `n_probes` (EAGLE: the target's), else the builder's default",
+        ),
+        EnvVar(
             "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD",
             None,
             integer(0),

@@ -26,6 +26,7 @@ both. Imports the contract, numpy and the controller; vLLM objects reach it as p
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ from my_pkg.engine.flashhead.controller import FlashHeadController
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.spec import DRAFT_HEAD_METHODS, SHARED_HEAD_METHODS, with_draft
 from my_pkg.engine.vllm_uses import attributes
+
+logger = logging.getLogger(f"vllm.{__name__}")
 
 __all__ = ["configure_draft", "default_draft_n_probes", "draft_rows", "link", "refusal"]
 
@@ -51,17 +54,24 @@ VLLM_SYMBOLS = (
 
 
 def default_draft_n_probes(config: dict[str, Any], num_clusters: int | None) -> int:
-    """The drafter's probe count at start-up: the checkpoint's own `n_probes` (the builder's calibrated choice
-    for its top-1 agreement target; an EAGLE head's is the target's), else the builder's default; at most its
-    clusters. `MY_PKG_FLASHHEAD_N_PROBES` sets the target's count only."""
+    """The drafter's probe count at start-up: `MY_PKG_FLASHHEAD_DRAFT_N_PROBES` when set, else the checkpoint's
+    own `n_probes` (the builder's calibrated choice for its top-1 agreement target; an EAGLE head's is the
+    target's), else the builder's default; at most its clusters. `MY_PKG_FLASHHEAD_N_PROBES` sets the
+    target's count only."""
+    from my_pkg import env
     from my_pkg.flashhead.head import default_n_probes
 
-    configured = config.get("n_probes")
+    configured = env.MY_PKG_FLASHHEAD_DRAFT_N_PROBES
+    if configured is None:
+        configured = config.get("n_probes")
     if isinstance(configured, int) and not isinstance(configured, bool) and configured > 0:
         n_probes = configured
     else:
         n_probes = default_n_probes(num_clusters) if num_clusters else 1
-    return min(n_probes, num_clusters) if num_clusters else n_probes
+    if num_clusters and n_probes > num_clusters:
+        logger.warning("my_pkg: draft_n_probes=%d exceeds %d clusters; using %d", n_probes, num_clusters, num_clusters)
+        n_probes = num_clusters
+    return n_probes
 
 
 def configure_draft(controller: FlashHeadController, config: dict[str, Any]) -> FlashHeadController:

@@ -298,6 +298,23 @@ def test_the_drafters_probe_count_is_its_checkpoints_own():
     assert rows.verify_rows is None and isinstance(rows.dense_codes, np.ndarray)
 
 
+def test_the_drafters_probe_count_at_start_up_follows_its_environment_variable(monkeypatch, caplog):
+    """`MY_PKG_FLASHHEAD_DRAFT_N_PROBES` before the checkpoint's `n_probes`, capped at the drafter's clusters; the
+    target's variable does not reach the drafter; the drafter's controller starts at it."""
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_N_PROBES", "9")
+    assert default_draft_n_probes({"n_probes": 12}, 64) == 12  # the target's variable: not the drafter's
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_DRAFT_N_PROBES", "5")
+    assert default_draft_n_probes({"n_probes": 12}, 64) == 5
+    assert default_draft_n_probes({}, 512) == 5
+    assert configure_draft(_controller(), {"n_probes": 12}).settings.n_probes == 5
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_DRAFT_N_PROBES", "500")
+    with caplog.at_level("WARNING"):
+        assert default_draft_n_probes({"n_probes": 12}, 64) == 64
+    assert "draft_n_probes=500 exceeds 64 clusters" in caplog.text
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_DRAFT_N_PROBES", "0")  # invalid: ignored with a warning
+    assert default_draft_n_probes({"n_probes": 12}, 64) == 12
+
+
 def _vllm_config(method, target_assets=True):
     return SimpleNamespace(
         speculative_config=SimpleNamespace(
