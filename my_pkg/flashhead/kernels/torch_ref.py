@@ -16,6 +16,9 @@ some row of the batch probes is read once for all of them, not once per row.  Th
 computes each value as the same vectorized dot product either way, so the logits are bit for bit
 those of the row-by-row pattern; only the memory traffic changes (the head's union of candidates
 instead of ``B`` times each row's).
+The sparse kernel shares whole CSR rows among the threads; a batch with fewer rows than threads (one row at
+low concurrency) has each row's ids cut into consecutive pieces, so every thread scores a share of them
+(:func:`_row_parts`), again with the same values bit for bit.
 On other devices rows are gathered with ``index_select`` and reduced with ``bmm``.
 """
 
@@ -33,6 +36,9 @@ _SPARSE_OK: dict[torch.dtype, bool] = {}
 # ``mm``): one block per row at 128,256 x 2,048 in bf16, and below glibc's largest mmap threshold
 # (32 MiB), so freed blocks stay in the heap for the next one.
 _CPU_GATHER_BLOCK_BYTES = 16 << 20
+
+# Fewest ids in a piece of a row when a small batch's rows are cut for the threads (`_row_parts`).
+_MIN_IDS_PER_PART = 256
 
 # Smallest batch scored cluster by cluster: below it the rows share few candidates, and the grouped
 # pattern costs a few passes over the head's rows to build (about 2 ms at 128,256 rows, one thread).
@@ -73,16 +79,31 @@ def _sparse_supported(dtype: torch.dtype) -> bool:
     return ok
 
 
+def _row_parts(rows: int, ids_per_row: int) -> int:
+    """Pieces each row's ids are cut into so that the sparse kernel, which shares out whole CSR rows among
+    the threads, has a row for every thread: a batch of one row would otherwise run on one thread."""
+    threads = torch.get_num_threads()
+    if rows >= threads:
+        return 1
+    return max(1, min(threads // rows, ids_per_row // _MIN_IDS_PER_PART))
+
+
 def _logits_sparse(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     b, n = ids.shape
-    crow = torch.arange(0, (b + 1) * n, n, dtype=torch.int64, device=ids.device)
+    parts = _row_parts(b, n)
+    if parts == 1:
+        crow = torch.arange(0, (b + 1) * n, n, dtype=torch.int64, device=ids.device)
+    else:  # row r's ids in `parts` consecutive CSR rows, each with a copy of hidden[r]: the same dot products
+        starts = torch.arange(b, device=ids.device).view(b, 1) * n + torch.arange(parts, device=ids.device) * n // parts
+        crow = torch.cat([starts.reshape(-1), torch.tensor([b * n], device=ids.device)])
+        hidden = hidden.repeat_interleave(parts, dim=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pattern = torch.sparse_csr_tensor(
             crow,
             ids.reshape(-1),
             torch.zeros(b * n, dtype=weight.dtype, device=ids.device),
-            size=(b, weight.shape[0]),
+            size=(b * parts, weight.shape[0]),
             check_invariants=False,
         )
         out = torch.sparse.sampled_addmm(pattern, hidden, weight.t(), beta=0.0, alpha=1.0)

@@ -136,3 +136,23 @@ def test_sampled_rows_score_candidates_and_rescored_tokens_in_one_pass_with_the_
     assert torch.equal(ids, torch.cat([cand_ids, extra], dim=1))
     assert torch.equal(logits[:, : cand.shape[1]], cand)
     torch.testing.assert_close(logits[:, cand.shape[1] :], torch.einsum("bnh,bh->bn", head.weight[extra], hidden))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_batch_with_fewer_rows_than_threads_is_cut_for_them_with_the_same_logits(monkeypatch, rows):
+    """The sparse kernel shares whole CSR rows among the threads, so a batch of one row would run on one of
+    them: each row's ids are cut into consecutive pieces, one per thread, each the same dot products."""
+    weight = torch.randn(VOCAB + PAD, HIDDEN, generator=torch.Generator().manual_seed(5))
+    hidden = _hidden(rows, seed=7)
+    ids = torch.stack([torch.randperm(VOCAB, generator=torch.Generator().manual_seed(r))[:301] for r in range(rows)])
+    monkeypatch.setattr(torch_ref, "_MIN_IDS_PER_PART", 30)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert torch_ref._row_parts(rows, ids.shape[1]) == 8 // rows
+    cut = torch_ref._logits_sparse(hidden, weight, ids)
+    head = _head(n_probes=21)
+    step_cut = head.step_logits(hidden, sampled=np.arange(rows) % 2 == 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert torch_ref._row_parts(rows, ids.shape[1]) == 1
+    assert torch.equal(cut, torch_ref._logits_sparse(hidden, weight, ids))
+    assert torch.equal(step_cut, head.step_logits(hidden, sampled=np.arange(rows) % 2 == 1))
+    torch.testing.assert_close(cut, torch.einsum("bnh,bh->bn", weight[ids], hidden), rtol=1e-5, atol=1e-5)
