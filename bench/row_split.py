@@ -1,0 +1,111 @@
+"""Small batches on several threads: each row's candidates cut into pieces for the threads, or not.
+
+torch's CPU ``sampled_addmm`` shares whole CSR rows among the threads, so a decode step of one row (every
+step at concurrency 1) would score its thousands of candidates on one thread while the dense GEMV it
+replaces uses all of them. ``my_pkg.flashhead.kernels.torch_ref`` cuts each row of a batch with fewer rows
+than threads into consecutive pieces (:func:`~my_pkg.flashhead.kernels.torch_ref._row_parts`, the same
+values bit for bit). This measures ``FlashHead.step_logits`` (greedy and sampled rows, 3 pinned ids) both
+ways in one process, at ``--threads`` threads (default: every core), beside dense ``F.linear`` into the
+same logits: in each of ``--rounds`` rounds, dense, then cut and whole (their order alternating), median
+of ``--repeats`` wall-clock calls each; the table gives the median over the rounds and the speed-ups.
+Random head, random balanced assignment, the builder's default ``n_probes``. Prints only.
+
+    python -m bench.row_split                      # 128,256 x 2,048 fp32, batch 1, 2, 4, every core
+    python -m bench.row_split --threads 8 --batches 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import torch
+
+from bench._report import command_line, machine_description
+from my_pkg.flashhead import FlashHead, default_n_probes
+from my_pkg.flashhead.clustering import random_balanced_assignment
+from my_pkg.flashhead.kernels import torch_ref
+
+KINDS = ("greedy", "sampled")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _step(head: FlashHead, hidden: torch.Tensor, kind: str, pins: torch.Tensor):
+    sampled = np.full(hidden.shape[0], kind == "sampled")
+    return lambda: head.step_logits(hidden, sampled=sampled, pinned=pins)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(args.vocab, args.hidden, generator=g)
+    assignment = random_balanced_assignment(args.vocab, 16)
+    clusters = int(assignment.max()) + 1
+    head = FlashHead(
+        weight, torch.randn(clusters, args.hidden, generator=g), assignment, n_probes=default_n_probes(clusters)
+    )
+    pins = torch.arange(args.vocab - 3, args.vocab)
+    head.step_logits(torch.zeros(1, args.hidden), sampled=np.ones(1, bool))  # the estimate's tables, once
+    cut_min = torch_ref._MIN_IDS_PER_PART
+    results = []
+    try:
+        for batch in args.batches:
+            hidden = torch.randn(batch, args.hidden, generator=g)
+            runs: dict[str, list[float]] = {"dense": []}
+            dense = partial(torch.nn.functional.linear, hidden, weight)
+            for rnd in range(args.rounds):
+                runs["dense"].append(_median_ms(dense, args.repeats))
+                for way in ("cut", "whole") if rnd % 2 == 0 else ("whole", "cut"):
+                    torch_ref._MIN_IDS_PER_PART = cut_min if way == "cut" else 1 << 62
+                    for kind in KINDS:
+                        step = _step(head, hidden, kind, pins)
+                        step()
+                        runs.setdefault(f"{kind} {way}", []).append(_median_ms(step, args.repeats))
+            row = {"batch": batch, "parts": torch_ref._row_parts(batch, 1 << 20)}
+            row.update({name: statistics.median(times) for name, times in runs.items()})
+            results.append(row)
+            text = "  ".join(
+                f"{kind}: cut {row[f'{kind} cut']:.2f} ms x{row['dense'] / row[f'{kind} cut']:.2f}, "
+                f"whole {row[f'{kind} whole']:.2f} ms x{row['dense'] / row[f'{kind} whole']:.2f}"
+                for kind in KINDS
+            )
+            print(f"  B={batch:3d} (pieces per row {row['parts']}): dense {row['dense']:.2f} ms  {text}", flush=True)
+    finally:
+        torch_ref._MIN_IDS_PER_PART = cut_min
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--batches", type=_ints, default=[1, 2, 4])
+    ap.add_argument("--threads", type=int, default=None, help="default: torch's (every core)")
+    ap.add_argument("--repeats", type=int, default=7, help="calls per measurement (median)")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(machine_description())
+    print(f"Command: `{command_line()}`; {torch.get_num_threads()} threads", flush=True)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
