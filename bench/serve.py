@@ -23,15 +23,19 @@ rounds x 2 x ``--seconds`` (printed at the start); bound it with those options.
     python -m bench.serve --write-docs                # both shapes, writes the serve section
     python -m bench.serve --shape llama-1b --traffic sampled --concurrency 1 --rounds 3 --seconds 20
 
-Under speculative decoding (``--spec ngram|draft``, 3 speculative tokens, concurrency 1 and 8 unless given;
+Under speculative decoding (``--spec ngram|draft|eagle``, 3 speculative tokens, concurrency 1 and 8 unless given;
 prints only): one server per variant, each compared with its own dense rounds (``enabled`` off turns the
 drafter's FlashHead head off too), with vLLM's acceptance rate of each mode.  ``ngram``: FlashHead verify.
 ``draft``: FlashHead verify (the draft model is the assetless random checkpoint: a dense drafter), then
 FlashHead verify + draft (the draft model is the FlashHead checkpoint itself).  Both drafters are the target's
 own weights, as large as the target: the ratios say what FlashHead changes in such a step, not what a small
-trained drafter gains.
+trained drafter gains.  ``eagle``: FlashHead verify + draft with a one-layer EAGLE head built for the shape
+(``tests/support/tiny_eagle.py``, untrained: it passes the target's hidden state through one small random
+layer), which computes its drafts with the target's LM head, as a real EAGLE head does: a small drafter whose
+cost is mostly that head.
 
     python -m bench.serve --quick --spec draft
+    python -m bench.serve --shape head-heavy --spec eagle --concurrency 1 --traffic greedy --rounds 3
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ from my_pkg.contract import DenseReason
 from tests.support.tiny_model import TinyLlamaSpec
 
 MODES = ("dense", "flashhead")
-#: Speculative decoding under `--spec`: the n-gram proposer, or a draft model, 3 tokens per step.
-SPEC_METHODS = ("ngram", "draft")
+#: Speculative decoding under `--spec`: the n-gram proposer, a draft model or an EAGLE head, 3 tokens per step.
+SPEC_METHODS = ("ngram", "draft", "eagle")
 NUM_SPECULATIVE_TOKENS = 3
 
 
@@ -73,6 +77,11 @@ class SpecVariant:
     label: str
     config: dict
     flashhead_drafts: bool = False  # its FlashHead rounds draft with FlashHead (the draft model has assets)
+
+
+def eagle_head_dir(base_model: Path) -> Path:
+    """Where `--spec eagle` builds the EAGLE head of the shape whose random checkpoint is `base_model`."""
+    return base_model.parent / f"{base_model.name}-eagle"
 
 
 def spec_variants(method: str | None, flashhead_model: Path, base_model: Path) -> list[SpecVariant]:
@@ -98,6 +107,13 @@ def spec_variants(method: str | None, flashhead_model: Path, base_model: Path) -
                 flashhead_drafts=True,
             ),
         ]
+    if method == "eagle":
+        eagle = {
+            "method": "eagle",
+            "model": str(eagle_head_dir(base_model)),
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+        }
+        return [SpecVariant("FlashHead verify + draft", eagle, flashhead_drafts=True)]
     raise ValueError(f"--spec: one of {', '.join(SPEC_METHODS)}")
 
 
@@ -301,7 +317,12 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> list[ShapeResult]:
     print(f"== {shape.title}: V={spec.vocab_size:,} H={spec.hidden_size:,} layers={spec.num_hidden_layers}", flush=True)
     name = f"{shape.key}-{spec.num_hidden_layers}l"
     model = prepare_flashhead_model(args.work_dir, name, spec, iterations=args.iterations)
-    variants = spec_variants(getattr(args, "spec", None), model, args.work_dir / name)
+    method = getattr(args, "spec", None)
+    if method == "eagle":
+        from tests.support.tiny_eagle import build_tiny_eagle
+
+        build_tiny_eagle(eagle_head_dir(args.work_dir / name), args.work_dir / name)
+    variants = spec_variants(method, model, args.work_dir / name)
     return [bench_server(shape, name, model, variant, args) for variant in variants]
 
 
@@ -516,8 +537,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--spec",
         choices=SPEC_METHODS,
         default=None,
-        help="speculative decoding: ngram (FlashHead verify) or draft (FlashHead verify, then verify + draft), "
-        "each against dense; concurrency 1,8 by default; prints only",
+        help="speculative decoding: ngram (FlashHead verify), draft (FlashHead verify, then verify + draft) or "
+        "eagle (verify + draft with an EAGLE head), each against dense; concurrency 1,8 by default; prints only",
     )
     args = ap.parse_args(argv)
     if args.spec is not None and args.write_docs:

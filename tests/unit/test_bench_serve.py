@@ -94,8 +94,10 @@ def test_spec_runs_one_server_per_variant_each_against_dense():
     assert (verify.label, verify.config["model"]) == ("FlashHead verify", str(base))  # no assets: a dense drafter
     assert (both.label, both.config["model"]) == ("FlashHead verify + draft", str(flash))
     assert verify.config["method"] == both.config["method"] == "draft_model"
+    (eagle,) = spec_variants("eagle", flash, base)  # a head built for the shape, beside its checkpoint
+    assert (eagle.config["method"], eagle.config["model"]) == ("eagle", "/m/x-eagle") and eagle.flashhead_drafts
     with pytest.raises(ValueError):
-        spec_variants("eagle", flash, base)
+        spec_variants("medusa", flash, base)
 
 
 def test_spec_rounds_check_that_verify_and_draft_rows_went_where_the_mode_says():
