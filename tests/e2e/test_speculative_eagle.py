@@ -1,14 +1,15 @@
-"""FlashHead as an EAGLE drafter's head in a real vLLM server (V1 runner on CPU, `method: eagle`).
+"""FlashHead as an EAGLE drafter's head in a real vLLM server (V1 runner on CPU, `method: eagle` and `eagle3`).
 
-The EAGLE-1 head (`tests/support/tiny_eagle.py`) has no LM head of its own, so vLLM computes its draft logits
-with the target's; FlashHead then serves them over the target's assets at the drafter's own probe count
-(`draft_n_probes`). Greedy answers equal FlashHead without speculation token for token, draft rows are
-counted apart, and the acceptance rate with the FlashHead drafter is printed next to the dense drafter's (the
-same server with `draft_n_probes` at every cluster: FlashHead then scores every token exactly).
+The EAGLE-1 and EAGLE-3 heads (`tests/support/tiny_eagle.py`) have no LM head of their own, so vLLM computes
+their draft logits with the target's; FlashHead then serves them over the target's assets at the drafter's
+own probe count (`draft_n_probes`). One server per method, one after the other. Greedy answers equal
+FlashHead without speculation token for token, draft rows are counted apart, and the acceptance rate with the
+FlashHead drafter is printed next to the dense drafter's (the same server with `draft_n_probes` at every
+cluster: FlashHead then scores every token exactly).
 
-The head is random (no training here): it passes the target's hidden state through nearly unchanged, so its
-draft at a position is close to the target's own pick one position earlier. Its acceptance says that EAGLE
-drafting through FlashHead works end to end, not what it costs a trained EAGLE head.
+The heads are random (no training here): they pass a target hidden state through nearly unchanged (EAGLE-1:
+the last one, so its draft at a position is close to the target's own pick one position earlier). Their
+acceptance says that EAGLE drafting through FlashHead works end to end, not what it costs a trained head.
 """
 
 from __future__ import annotations
@@ -22,26 +23,25 @@ from e2e_support import ADMIN_TOKEN, BOTH_HALVES, DEFAULT_PROBES, NUM_CLUSTERS, 
 from test_speculative_serving import FLASHHEAD, PROMPTS, _spec_counts, _status, _tokens
 
 from tests.support.server import VllmServer
-from tests.support.tiny_eagle import build_tiny_eagle
+from tests.support.tiny_eagle import build_tiny_eagle, build_tiny_eagle3
 
 pytestmark = pytest.mark.e2e
 
 NUM_SPECULATIVE_TOKENS = 2
 
 
-@pytest.fixture(scope="module")
-def eagle_head(flashhead_model: Path, e2e_dir: Path) -> Path:
-    return build_tiny_eagle(e2e_dir / "tiny-eagle", flashhead_model)
-
-
-@pytest.fixture(scope="module")
-def eagle_server(flashhead_model: Path, eagle_head: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """The FlashHead model with the EAGLE head drafting for it, both halves."""
-    spec = {"method": "eagle", "model": str(eagle_head), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def eagle_server(request, flashhead_model: Path, e2e_dir: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """The FlashHead model with an EAGLE head of the parameter's method drafting for it, both halves."""
+    method = request.param
+    build = build_tiny_eagle if method == "eagle" else build_tiny_eagle3
+    head = build(e2e_dir / f"tiny-{method}", flashhead_model)
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
     env: dict[str, str | None] = {
         "VLLM_API_KEY": None,
         "MY_PKG_DISABLE": None,
         "MY_PKG_FLASHHEAD": None,
+        "MY_PKG_FLASHHEAD_DRAFT_N_PROBES": None,
         "MY_PKG_STATUS_MAX_AGE": "0",  # every read asks the worker: counters are compared across requests
         "VLLM_PLUGINS": BOTH_HALVES,
         "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
@@ -51,7 +51,7 @@ def eagle_server(flashhead_model: Path, eagle_head: Path, logs_dir: Path) -> Ite
         model=str(flashhead_model),
         args=["--speculative-config", json.dumps(spec)],
         env=env,
-        log_path=logs_dir / "eagle.log",
+        log_path=logs_dir / f"{method}.log",
     ) as server:
         yield server
 
@@ -80,7 +80,8 @@ def test_the_eagle_heads_drafts_go_through_flashhead_and_answers_stay_flashheads
         fresh = _status(http)
         assert fresh["active"] and fresh["counters"]["steps"] == 0
         spec = fresh["spec"]
-        assert spec["method"] == "eagle" and spec["num_speculative_tokens"] == NUM_SPECULATIVE_TOKENS
+        method = spec["method"]
+        assert method in ("eagle", "eagle3") and spec["num_speculative_tokens"] == NUM_SPECULATIVE_TOKENS
         assert spec["verify"]["active"] and spec["draft"] == {"active": True, "reason": None, "reason_code": None}
         assert spec["draft_n_probes"] == DEFAULT_PROBES  # the target's checkpoint's n_probes: its assets
 
@@ -111,7 +112,7 @@ def test_the_eagle_heads_drafts_go_through_flashhead_and_answers_stay_flashheads
 
     flash_rate, dense_rate = accepted / drafted, dense_accepted / max(dense_drafted, 1)
     print(
-        f"\neagle (random EAGLE-1 head over the target's LM head), greedy, {len(PROMPTS)} prompts, FlashHead "
+        f"\n{method} (a random head over the target's LM head), greedy, {len(PROMPTS)} prompts, FlashHead "
         f"verify: acceptance {flash_rate:.3f} ({accepted:.0f}/{drafted:.0f}) with the FlashHead drafter "
         f"(draft_n_probes {DEFAULT_PROBES}), {dense_rate:.3f} ({dense_accepted:.0f}/{dense_drafted:.0f}) with the "
         f"dense drafter (draft_n_probes {NUM_CLUSTERS}: every cluster)"
