@@ -521,6 +521,10 @@ def _vocab_modules(kind: str):
         model.lm_head = model.embed_tokens
     elif kind == "two heads":
         model.heads = torch.nn.ModuleList([ParallelLMHead(VOCAB, HIDDEN, disable_tp=True) for _ in range(2)])
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # vLLM allocates the weights uninitialised and loads them; these stand for the loaded ones
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
     return model
 
 
