@@ -263,6 +263,13 @@ class FlashHeadController:
             return None
         return int(self.head.extra_memory_bytes + (self._pins.nbytes if self._pins is not None else 0))
 
+    def _worker_extra_memory_bytes(self) -> int | None:
+        """`extra_memory_bytes` of this head and of the drafter's FlashHead head linked to it (an EAGLE head's
+        is a second head over the same weight, a draft model's one over its own), as the status reports it."""
+        own = self.extra_memory_bytes
+        drafter = self.draft.extra_memory_bytes if self.draft is not None else None
+        return own if drafter is None else (own or 0) + drafter
+
     # ---- one decode step -------------------------------------------------------------------
 
     def arm(self, source: Callable[[], StepRows | None]) -> None:
@@ -494,7 +501,7 @@ class FlashHeadController:
             pinned_token_ids=list(self.pinned_ids),
             fidelity_every=self.settings.fidelity_every,
             backend=head.backend if head is not None else None,
-            extra_memory_bytes=self.extra_memory_bytes,
+            extra_memory_bytes=self._worker_extra_memory_bytes(),
             counters=self.counters.snapshot(self.draft.counters if self.draft is not None else None),
             spec=effective_spec(self._spec_with_draft(), active),
         )

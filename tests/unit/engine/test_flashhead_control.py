@@ -154,6 +154,13 @@ def test_extra_memory_covers_the_sampled_rows_tables_and_pins(weight):
     assert memory > ctl.head.centroids.numel() * ctl.head.centroids.element_size() + ctl.head._tail.nbytes
 
 
+def test_extra_memory_counts_the_linked_drafters_head_too(weight, controller):
+    alone = controller.status().extra_memory_bytes
+    drafter = _pinned_controller(weight, [3])
+    controller.draft = drafter
+    assert controller.status().extra_memory_bytes == alone + drafter.extra_memory_bytes
+
+
 def test_apply_takes_effect_on_the_head(controller):
     controller.apply(FlashHeadUpdate(n_probes=7))
     assert controller.head.n_probes == 7
