@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     try:
         for batch in args.batches:
             hidden = torch.randn(batch, args.hidden, generator=g)
+            parts = torch_ref._row_parts(batch, head.n_probes * head.cluster_size)  # before either way is set
             runs: dict[str, list[float]] = {"dense": []}
             dense = partial(torch.nn.functional.linear, hidden, weight)
             for rnd in range(args.rounds):
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                         step = _step(head, hidden, kind, pins)
                         step()
                         runs.setdefault(f"{kind} {way}", []).append(_median_ms(step, args.repeats))
-            row = {"batch": batch, "parts": torch_ref._row_parts(batch, 1 << 20)}
+            row = {"batch": batch, "parts": parts}
             row.update({name: statistics.median(times) for name, times in runs.items()})
             results.append(row)
             text = "  ".join(

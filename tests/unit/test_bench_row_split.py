@@ -12,6 +12,7 @@ from my_pkg.flashhead.kernels import torch_ref
 
 def test_both_ways_are_timed_and_the_cut_is_restored(monkeypatch):
     monkeypatch.setattr(row_split.torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(torch_ref, "_MIN_IDS_PER_PART", 16)  # a tiny head's 128 candidates cut in 4 pieces
     args = argparse.Namespace(hidden=32, vocab=1024, batches=[1, 8], repeats=1, rounds=2)
     before = torch_ref._MIN_IDS_PER_PART
     rows = row_split.run(args)
