@@ -83,11 +83,12 @@ def configure_draft(controller: FlashHeadController, config: dict[str, Any]) -> 
     return controller
 
 
-def draft_rows(num_rows: int) -> StepRows:
-    """A draft step's rows: every one greedy and served by FlashHead. A draft token never reaches the
-    output unverified, so a request that needs the target's exact logits (logprobs, grammar, ...) needs
-    nothing of its drafts."""
-    return StepRows(dense_codes=np.zeros(num_rows, dtype=np.uint8), sampled=np.zeros(num_rows, dtype=bool))
+def draft_rows(num_rows: int, *, sampled: bool = False) -> StepRows:
+    """A draft step's rows, every one served by FlashHead: greedy, or (`sampled`, probabilistic drafting)
+    FlashHead's sampled rows, whose logits cover every token. A draft token never reaches the output
+    unverified, so a request that needs the target's exact logits (logprobs, grammar, ...) needs nothing
+    of its drafts."""
+    return StepRows(dense_codes=np.zeros(num_rows, dtype=np.uint8), sampled=np.full(num_rows, sampled, dtype=bool))
 
 
 def _has_assets(model_config: Any) -> bool:

@@ -12,9 +12,14 @@ before the drafter loads):
   over the only vocabulary-sized module it has, its embedding).
 - `_greedy_sample(hidden_states)`: the one call through which a drafter picks its greedy draft tokens
   (`compute_logits(...).argmax(-1)`); with a linked FlashHead drafter it runs armed with the step's
-  rows (`draft.draft_rows`), so the drafter's `compute_logits` goes through FlashHead. Probabilistic
-  drafting of sampled requests (`draft_sample_method: probabilistic`) does not call it and stays dense:
-  its draft probabilities must be the dense law.
+  rows (`draft.draft_rows`), so the drafter's `compute_logits` goes through FlashHead.
+- `_sample_draft_tokens(hidden_states, sampling_metadata)`, where a step with sampled requests under
+  `draft_sample_method: probabilistic` samples its drafts from the drafter's probabilities and keeps them
+  for the rejection sampler: with a linked FlashHead drafter it runs armed with every row a FlashHead
+  sampled row (exact candidates, estimated tail: a probability for every token). The rejection sampler
+  divides by the probabilities the drafts were drawn from, whatever they are, so the emitted tokens keep
+  the target's law; FlashHead's estimate only changes how often a draft is accepted. A greedy step goes
+  through `_greedy_sample` as before. Installed only where vLLM has this method.
 
 Either hook that fails leaves vLLM's drafter as it is (dense), logged once; a failure to link the drafter
 is also reported as the draft part's `draft_hook_failed`, with the error.
@@ -42,7 +47,18 @@ VLLM_SYMBOLS = (
         "method",
         params=("self", "hidden_states"),
     ),
-    *attributes("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "model", "vllm_config"),
+    symbol(
+        "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._sample_draft_tokens",
+        "method",
+        params=("self", "hidden_states", "sampling_metadata"),
+    ),
+    *attributes(
+        "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer",
+        "model",
+        "vllm_config",
+        "_enable_probabilistic_draft_probs",
+    ),
+    *attributes("vllm.v1.sample.metadata:SamplingMetadata", "all_greedy"),
     *attributes("vllm.config:ModelConfig", "enable_sleep_mode"),
 )
 #: Where the linked drafter's controller is kept on the proposer.
@@ -169,7 +185,30 @@ def apply() -> None:
             return original_greedy(self, hidden_states, *args, **kwargs)
         return run_armed(draft, lambda: rows, lambda: original_greedy(self, hidden_states, *args, **kwargs))
 
-    for name, hook in (("load_model", load_model), ("_greedy_sample", greedy_sample)):
+    hooks = [("load_model", load_model), ("_greedy_sample", greedy_sample)]
+    original_sample = getattr(SpecDecodeBaseProposer, "_sample_draft_tokens", None)
+    if original_sample is not None:  # probabilistic drafting; greedy drafting needs only the hooks above
+
+        @functools.wraps(original_sample)
+        def sample_draft_tokens(self, hidden_states, sampling_metadata, *args, **kwargs):
+            draft = self.__dict__.get(DRAFT_ATTR)
+            call = functools.partial(original_sample, self, hidden_states, sampling_metadata, *args, **kwargs)
+            if draft is None:
+                return call()
+            try:
+                probabilistic = bool(getattr(self, "_enable_probabilistic_draft_probs", False)) and not bool(
+                    sampling_metadata.all_greedy
+                )
+                rows = draft_rows(int(hidden_states.shape[0]), sampled=True) if probabilistic else None
+            except Exception as exc:  # noqa: BLE001 - this step's drafts are dense
+                warn_once("drafter _sample_draft_tokens", exc)
+                return call()
+            if rows is None:  # greedy drafts: through `_greedy_sample`, hooked
+                return call()
+            return run_armed(draft, lambda: rows, call)
+
+        hooks.append(("_sample_draft_tokens", sample_draft_tokens))
+    for name, hook in hooks:
         if not getattr(getattr(SpecDecodeBaseProposer, name), WRAPPED, False):  # applying twice wraps once
             setattr(hook, WRAPPED, True)
             setattr(SpecDecodeBaseProposer, name, hook)

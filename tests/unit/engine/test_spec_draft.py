@@ -133,6 +133,38 @@ def test_greedy_drafts_go_through_the_drafters_flashhead_head_and_are_counted_ap
     assert torch.equal(proposer._greedy_sample(hidden), _dense_argmax(setup, hidden))
 
 
+def test_probabilistic_drafts_are_drawn_from_the_drafters_flashhead_probabilities(setup):
+    """`draft_sample_method: probabilistic`: a step with sampled requests draws its drafts from the drafter's
+    probabilities and hands them to the rejection sampler. Linked, those are FlashHead's sampled rows' (every
+    token a probability: exact candidates, estimated tail), counted as draft rows; greedy steps still go
+    through `_greedy_sample`."""
+    from my_pkg.engine.patches import spec_proposer
+
+    proposer, draft = setup.proposer, setup.draft
+    proposer.__dict__.update(_enable_probabilistic_draft_probs=True, use_fp64_gumbel=False)
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    sampled = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.full((5,), 0.7))
+    dense_probs = torch.softmax(hidden @ proposer.model.lm_head.weight.detach().T / 0.7, dim=-1)
+    _, probs = proposer._sample_draft_tokens(hidden, sampled)  # not linked yet: vLLM's own (dense) law
+    torch.testing.assert_close(probs, dense_probs)
+    spec_proposer.link_drafter(proposer, setup.target_model)
+
+    drafts, probs = proposer._sample_draft_tokens(hidden, sampled)  # vLLM's own method, hooked
+    flashhead = draft.head.step_logits(hidden, sampled=np.ones(5, bool))
+    torch.testing.assert_close(probs, torch.softmax(flashhead / 0.7, dim=-1))
+    assert bool((probs > 0).all())  # the estimated tail: every token can be drawn, and is accounted for
+    assert not torch.allclose(probs, dense_probs)
+    assert bool((probs.gather(1, drafts.view(-1, 1)) > 0).all())
+    counters = setup.target.status().counters
+    assert counters.rows_flashhead_draft == 5 and counters.rows_flashhead == 0
+    assert not draft.armed
+    # A step of greedy requests: drafts by `_greedy_sample` (FlashHead's greedy rows), no probabilities.
+    greedy = SimpleNamespace(all_greedy=True, all_random=False, temperature=None)
+    drafts, probs = proposer._sample_draft_tokens(hidden, greedy)
+    assert probs is None and torch.equal(drafts, draft.head.step_logits(hidden).argmax(-1))
+    assert setup.target.status().counters.rows_flashhead_draft == 10
+
+
 def test_the_drafter_follows_the_targets_switch(setup):
     from my_pkg.contract import FlashHeadUpdate
     from my_pkg.engine.patches import spec_proposer
