@@ -34,3 +34,13 @@ def auth(token: str = API_KEY) -> dict[str, str]:
 
 def client(server: VllmServer) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=120.0)
+
+
+def assert_drafts_through_flashhead(before: dict, after: dict, drafted: float) -> None:
+    """Between two status counters snapshots: vLLM drafted, every draft row went through the FlashHead drafter
+    head (none dense, no fallback), and FlashHead verified them."""
+    assert drafted > 0
+    assert after["rows_flashhead_draft"] - before["rows_flashhead_draft"] >= drafted  # a row per draft
+    assert after["rows_dense_draft"] == before["rows_dense_draft"]
+    assert after["fallbacks"] == before["fallbacks"]
+    assert after["rows_flashhead_verify"] > before["rows_flashhead_verify"]

@@ -14,7 +14,7 @@ not what it costs a trained draft model."""
 from __future__ import annotations
 
 import pytest
-from e2e_support import ADMIN_TOKEN, DEFAULT_PROBES, NUM_CLUSTERS, auth, client
+from e2e_support import ADMIN_TOKEN, DEFAULT_PROBES, NUM_CLUSTERS, assert_drafts_through_flashhead, auth, client
 from test_speculative_serving import FLASHHEAD, PROMPTS, _spec_counts, _status, _tokens
 
 from tests.support.server import VllmServer
@@ -62,12 +62,7 @@ def test_the_flashhead_drafter_serves_the_drafts_and_answers_stay_flashheads(
         assert spec["draft_n_probes"] == DEFAULT_PROBES  # the draft checkpoint's own n_probes
         for prompt, got, expected in zip(PROMPTS, answers, reference):
             assert got == expected, prompt
-        counters, counted = after["counters"], before["counters"]
-        assert drafted > 0
-        assert counters["rows_flashhead_draft"] - counted["rows_flashhead_draft"] >= drafted  # a row per draft
-        assert counters["rows_dense_draft"] == counted["rows_dense_draft"]
-        assert counters["fallbacks"] == counted["fallbacks"]
-        assert counters["rows_flashhead_verify"] > counted["rows_flashhead_verify"]
+        assert_drafts_through_flashhead(before["counters"], after["counters"], drafted)
 
         # The dense drafter: every cluster probed. Answers unchanged, the target's n_probes untouched.
         response = _put(http, {"draft_n_probes": NUM_CLUSTERS})

@@ -19,7 +19,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_support import ADMIN_TOKEN, BOTH_HALVES, DEFAULT_PROBES, NUM_CLUSTERS, RPC_TIMEOUT, auth, client
+from e2e_support import (
+    ADMIN_TOKEN,
+    BOTH_HALVES,
+    DEFAULT_PROBES,
+    NUM_CLUSTERS,
+    RPC_TIMEOUT,
+    assert_drafts_through_flashhead,
+    auth,
+    client,
+)
 from test_speculative_serving import FLASHHEAD, PROMPTS, _spec_counts, _status, _tokens
 
 from tests.support.server import VllmServer
@@ -88,12 +97,7 @@ def test_the_eagle_heads_drafts_go_through_flashhead_and_answers_stay_flashheads
         answers, accepted, drafted, before, after = _serve_prompts(http)
         for prompt, got, expected in zip(PROMPTS, answers, reference):
             assert got == expected, prompt
-        counters, counted = after["counters"], before["counters"]
-        assert drafted > 0
-        assert counters["rows_flashhead_draft"] - counted["rows_flashhead_draft"] >= drafted  # a row per draft
-        assert counters["rows_dense_draft"] == counted["rows_dense_draft"]
-        assert counters["fallbacks"] == counted["fallbacks"]
-        assert counters["rows_flashhead_verify"] > counted["rows_flashhead_verify"]
+        assert_drafts_through_flashhead(before["counters"], after["counters"], drafted)
 
         # The dense drafter: every cluster probed. Answers unchanged, the target's n_probes untouched.
         response = _put(http, {"draft_n_probes": NUM_CLUSTERS})
