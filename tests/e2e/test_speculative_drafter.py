@@ -41,6 +41,23 @@ def _serve_prompts(http) -> tuple[list[list[int]], float, float, dict, dict]:
     return answers, accepted1 - accepted0, drafted1 - drafted0, before, after
 
 
+def serve_with_the_dense_drafter(http, reference: list[list[int]]) -> tuple[float, float]:
+    """The prompts again with `draft_n_probes` at every cluster (the drafter's FlashHead head then drafts the
+    dense argmax), restored after: the same answers, the target's `n_probes` untouched, the drafts still
+    FlashHead draft rows. vLLM's (accepted, drafted) over them."""
+    response = _put(http, {"draft_n_probes": NUM_CLUSTERS})
+    assert response.status_code == 200, response.text
+    try:
+        answers, accepted, drafted, before, after = _serve_prompts(http)
+    finally:
+        assert _put(http, {"draft_n_probes": DEFAULT_PROBES}).status_code == 200
+    assert after["spec"]["draft_n_probes"] == NUM_CLUSTERS and after["n_probes"] == DEFAULT_PROBES
+    assert answers == reference
+    assert after["counters"]["rows_flashhead_draft"] - before["counters"]["rows_flashhead_draft"] >= drafted
+    assert _status(http)["spec"]["draft_n_probes"] == DEFAULT_PROBES
+    return accepted, drafted
+
+
 def test_both_heads_are_built_when_the_models_load_before_any_request(flashhead_drafter_server: VllmServer):
     """vLLM sizes the KV cache right after loading: the target's FlashHead head and the drafter's exist by then,
     not at the first request (the server is fresh: no completion has reached it yet)."""
@@ -64,16 +81,7 @@ def test_the_flashhead_drafter_serves_the_drafts_and_answers_stay_flashheads(
             assert got == expected, prompt
         assert_drafts_through_flashhead(before["counters"], after["counters"], drafted)
 
-        # The dense drafter: every cluster probed. Answers unchanged, the target's n_probes untouched.
-        response = _put(http, {"draft_n_probes": NUM_CLUSTERS})
-        assert response.status_code == 200, response.text
-        try:
-            dense_answers, dense_accepted, dense_drafted, _, dense_after = _serve_prompts(http)
-        finally:
-            assert _put(http, {"draft_n_probes": DEFAULT_PROBES}).status_code == 200
-        assert dense_after["spec"]["draft_n_probes"] == NUM_CLUSTERS and dense_after["n_probes"] == DEFAULT_PROBES
-        assert dense_answers == reference
-        assert _status(http)["spec"]["draft_n_probes"] == DEFAULT_PROBES
+        dense_accepted, dense_drafted = serve_with_the_dense_drafter(http, reference)
 
     flash_rate, dense_rate = accepted / drafted, dense_accepted / max(dense_drafted, 1)
     print(

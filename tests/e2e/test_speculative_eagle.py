@@ -26,10 +26,10 @@ from e2e_support import (
     NUM_CLUSTERS,
     RPC_TIMEOUT,
     assert_drafts_through_flashhead,
-    auth,
     client,
 )
-from test_speculative_serving import FLASHHEAD, PROMPTS, _spec_counts, _status, _tokens
+from test_speculative_drafter import _serve_prompts, serve_with_the_dense_drafter
+from test_speculative_serving import PROMPTS, _status, _tokens
 
 from tests.support.server import VllmServer
 from tests.support.tiny_eagle import build_tiny_eagle, build_tiny_eagle3
@@ -72,18 +72,6 @@ def reference(flashhead_server: VllmServer) -> list[list[int]]:
         return [_tokens(http, prompt) for prompt in PROMPTS]
 
 
-def _put(http, update: dict):
-    return http.put(FLASHHEAD, json=update, headers=auth(ADMIN_TOKEN))
-
-
-def _serve_prompts(http) -> tuple[list[list[int]], float, float, dict, dict]:
-    """The greedy answers, vLLM's (accepted, drafted) over them, and the FlashHead status before and after."""
-    before, (accepted0, drafted0) = _status(http), _spec_counts(http)
-    answers = [_tokens(http, prompt) for prompt in PROMPTS]
-    after, (accepted1, drafted1) = _status(http), _spec_counts(http)
-    return answers, accepted1 - accepted0, drafted1 - drafted0, before, after
-
-
 def test_the_eagle_heads_drafts_go_through_flashhead_and_answers_stay_flashheads(eagle_server: VllmServer, reference):
     with client(eagle_server) as http:
         fresh = _status(http)
@@ -100,19 +88,7 @@ def test_the_eagle_heads_drafts_go_through_flashhead_and_answers_stay_flashheads
         assert_drafts_through_flashhead(before["counters"], after["counters"], drafted)
 
         # The dense drafter: every cluster probed. Answers unchanged, the target's n_probes untouched.
-        response = _put(http, {"draft_n_probes": NUM_CLUSTERS})
-        assert response.status_code == 200, response.text
-        try:
-            dense_answers, dense_accepted, dense_drafted, dense_before, dense_after = _serve_prompts(http)
-        finally:
-            assert _put(http, {"draft_n_probes": DEFAULT_PROBES}).status_code == 200
-        assert dense_after["spec"]["draft_n_probes"] == NUM_CLUSTERS and dense_after["n_probes"] == DEFAULT_PROBES
-        assert dense_answers == reference
-        assert (
-            dense_after["counters"]["rows_flashhead_draft"] - dense_before["counters"]["rows_flashhead_draft"]
-            >= dense_drafted
-        )
-        assert _status(http)["spec"]["draft_n_probes"] == DEFAULT_PROBES
+        dense_accepted, dense_drafted = serve_with_the_dense_drafter(http, reference)
 
     flash_rate, dense_rate = accepted / drafted, dense_accepted / max(dense_drafted, 1)
     print(
