@@ -8,14 +8,16 @@ Two kinds of drafter compute their logits through a head FlashHead has assets fo
   (`SpecDecodeBaseProposer._maybe_share_lm_head`), so its logits are the target's head's, over the
   target's assets. An EAGLE head that brings its own LM head has no assets (`draft_no_assets`).
 
-Either drafter gets its own `FlashHeadController` while vLLM builds it (`patches/logits_processor.py`:
-vLLM builds an EAGLE head under the target's model config, so that controller reads the target's
-assets), with its own probe count, `draft_n_probes`. Right after vLLM loads the drafter,
+Either drafter gets its own `FlashHeadController`, with its own probe count, `draft_n_probes`: a draft
+model's while vLLM builds it (`patches/logits_processor.py`), an EAGLE head's right after vLLM's
+`load_model` gave it the target's LM head (`patches/spec_proposer.py`, over the target's assets; before
+that the head has no LM head to build over). Right after vLLM loads the drafter,
 `patches/spec_proposer.py` links it to the target's controller (`link`) or records why the drafter's
-head stays dense (`refusal`); from then on each greedy draft step arms the drafter's controller with
-all of its rows (`draft_rows`), so that the drafter's `compute_logits` call goes through FlashHead as a
-decode step does. An EAGLE drafter's head is a second FlashHead head over the same LM-head weight (the
-weight is shared, the centroids and cluster tables are its own copy).
+head stays dense (`refusal`); from then on each draft step arms the drafter's controller with all of
+its rows (`draft_rows`: greedy rows, or sampled rows under probabilistic drafting), so that the
+drafter's `compute_logits` call goes through FlashHead as a decode step does. An EAGLE drafter's head is
+a second FlashHead head over the same LM-head weight (the weight is shared, the centroids and cluster
+tables are its own copy, counted in the status's `extra_memory_bytes`).
 
 Drafts never change what the target emits (vLLM's rejection sampler verifies them against the
 target's logits); a draft token FlashHead picks differently from the dense drafter only changes
