@@ -202,7 +202,8 @@ SpecReasonCode = Literal[
 #: One line per `SpecReasonCode`, in its order (docs/flashhead-serving.md's table is generated from it).
 SPEC_REASON_CODES: Final[dict[str, str]] = {
     "flashhead_inactive": "FlashHead is not active on this model (see `reason_code`)",
-    "model_runner_v2": "Model Runner V2 verify rows and drafts are not served by FlashHead in this version",
+    "model_runner_v2": "Model Runner V2: its drafters' heads, and verify rows it lays out on the device only "
+    "(adaptive verification), are not served by FlashHead in this version",
     "spec_hook_failed": "vLLM's speculative-decoding metadata could not be hooked (a vLLM internal moved)",
     "no_draft_head": "the drafter has no LM head (n-gram, suffix decoding)",
     "draft_head_not_supported": "FlashHead as this method's draft head is not implemented in this version "

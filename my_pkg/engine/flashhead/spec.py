@@ -1,10 +1,12 @@
 """FlashHead's parts under speculative decoding, as the status route reports them (`SpecState`).
 
 Verify: the target's verify and bonus rows, served by FlashHead under the V1 model runner
-(`patches/model_runner.py`). Draft: the drafter's head, served by FlashHead when the drafter is a
-draft model (`method: draft_model`) that is itself a FlashHead checkpoint with the target's vocabulary,
-or an EAGLE / EAGLE-3 head that computes its logits with the target's LM head (`flashhead/draft.py`,
-`patches/spec_proposer.py`); decided when vLLM loads the drafter, right after the target. Each part
+(`patches/model_runner.py`) and Model Runner V2 (`patches/model_runner_v2.py`; not its adaptive
+verification, which turns the part off at its first step, `without_verify`). Draft: the drafter's head,
+served by FlashHead (under V1) when the drafter is a draft model (`method: draft_model`) that is itself
+a FlashHead checkpoint with the target's vocabulary, or an EAGLE / EAGLE-3 head that computes its logits
+with the target's LM head (`flashhead/draft.py`, `patches/spec_proposer.py`); decided when vLLM loads the
+drafter, right after the target. Each part
 has its own `reason_code` (`contract.SpecReasonCode`); FlashHead stays on for every other row. Imports
 the contract (and the vLLM-free `vllm_uses` helper) only; vLLM's config reaches it as a plain argument.
 """
@@ -21,7 +23,15 @@ VLLM_SYMBOLS = (
     *attributes("vllm.config:SpeculativeConfig", "method", "num_speculative_tokens", "draft_sample_method"),
 )
 
-__all__ = ["DRAFT_HEAD_METHODS", "MODEL_FREE_METHODS", "SHARED_HEAD_METHODS", "effective", "spec_state", "with_draft"]
+__all__ = [
+    "DRAFT_HEAD_METHODS",
+    "MODEL_FREE_METHODS",
+    "SHARED_HEAD_METHODS",
+    "effective",
+    "spec_state",
+    "with_draft",
+    "without_verify",
+]
 
 #: Speculative methods whose drafts come without an LM head.
 MODEL_FREE_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
@@ -43,16 +53,15 @@ def spec_state(
     speculative_config: Any, *, v2: bool, hook_error: str | None, draft_hook_error: str | None = None
 ) -> SpecState | None:
     """The parts for this configuration (None without speculative decoding). `v2`: vLLM runs Model
-    Runner V2; `hook_error`: why V1's speculative metadata is not hooked (None when it is);
+    Runner V2 (whose drafters keep their dense heads); `hook_error`: why V1's speculative metadata is
+    not hooked (None when it is; V2 needs no such hook);
     `draft_hook_error`: why vLLM's drafter is not hooked (None when it is). A draft model's or EAGLE
     head's part is `draft_not_loaded` until the drafter is loaded (`with_draft`)."""
     if speculative_config is None:
         return None
     method = getattr(speculative_config, "method", None)
     tokens = getattr(speculative_config, "num_speculative_tokens", None)
-    if v2:
-        verify = _part("model_runner_v2")
-    elif hook_error is not None:
+    if hook_error is not None and not v2:
         verify = _part("spec_hook_failed", hook_error)
     else:
         verify = _part(None)
@@ -82,6 +91,14 @@ def with_draft(spec: SpecState | None, code: str | None, detail: str | None = No
     if spec is None:
         return None
     return spec.model_copy(update={"draft": _part(code, detail), "draft_n_probes": None})
+
+
+def without_verify(spec: SpecState | None, code: str, detail: str | None = None) -> SpecState | None:
+    """`spec` with the verify part found dense at run time for `code` (a `SpecReasonCode`) and `detail`;
+    `pin_drafts` goes with it."""
+    if spec is None:
+        return None
+    return spec.model_copy(update={"verify": _part(code, detail), "pin_drafts": False})
 
 
 def effective(spec: SpecState | None, flashhead_active: bool) -> SpecState | None:

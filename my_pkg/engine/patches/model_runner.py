@@ -35,10 +35,12 @@ from my_pkg.engine.patches.runner_hooks import (
     classify,
     controller_of_runner,
     hook_load_model,
+    pins_drafts,
     require,
     run_armed,
     share_pinned_ids,
     shared_pinned_ids,
+    spec_step_rows,
     union_stop_ids,
     warn_once,
 )
@@ -73,7 +75,6 @@ VLLM_SYMBOLS = (
     ),
     symbol("vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model", "method", params=("self",)),
     *attributes("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "draft_token_ids"),
-    *attributes("vllm.config:SpeculativeConfig", "draft_sample_method"),
 )
 _DENSE_TABLE = "_my_pkg_dense_requests"
 _STOP_TABLE = "_my_pkg_stop_token_ids"
@@ -86,13 +87,6 @@ _spec_hook_error: str | None = "not installed"
 def spec_hook_error() -> str | None:
     """Why `_calc_spec_decode_metadata` is not hooked in this process; None when it is."""
     return _spec_hook_error
-
-
-def pins_drafts(speculative_config: Any) -> bool:
-    """Whether sampled verify rows score their draft token exactly: only when vLLM verifies them without
-    draft probabilities (n-gram and other model-free drafts, and model drafts sampled greedily, vLLM's
-    default). With draft probabilities, pinning would make the target law depend on the random draft."""
-    return getattr(speculative_config, "draft_sample_method", "greedy") != "probabilistic"
 
 
 def _has_custom_logits_processors(input_batch: Any) -> bool:
@@ -122,29 +116,6 @@ def step_rows(input_batch: Any) -> StepRows:
     # Seeded rows are sampled rows too: FlashHead's logits draw nothing at random, so the seed reproduces.
     sampled = np.asarray(input_batch.temperature_cpu[:num_rows]) > 0.0
     return StepRows(dense_codes=codes, sampled=sampled, stop_ids=stop_ids)
-
-
-def spec_step_rows(per_request: StepRows, num_draft_tokens: Any, draft_ids: Any) -> StepRows:
-    """The rows of a speculative-decoding step from its requests' rows (`step_rows`): request `i` with
-    `n_i` drafts has `n_i + 1` consecutive rows, its verify rows then its bonus row, in batch order
-    (as `_calc_spec_decode_metadata` lays them out). `draft_ids` (device, one per verify row) or None
-    (nothing pinned). Host numpy only: the device is never waited for."""
-    num_reqs = per_request.num_rows
-    n = np.asarray(num_draft_tokens, dtype=np.int64)
-    if n.shape != (num_reqs,) or (n < 0).any():
-        return StepRows(per_request.dense_codes, per_request.sampled, per_request.stop_ids, all_dense="unexpected_rows")
-    rows_per_request = n + 1
-    first_row = np.cumsum(rows_per_request) - rows_per_request
-    first_draft = np.cumsum(n) - n
-    total = int(n.sum())
-    verify_rows = np.repeat(first_row, n) + (np.arange(total, dtype=np.int64) - np.repeat(first_draft, n))
-    return StepRows(
-        dense_codes=np.repeat(per_request.dense_codes, rows_per_request),
-        sampled=np.repeat(per_request.sampled, rows_per_request),
-        stop_ids=per_request.stop_ids,
-        verify_rows=verify_rows,
-        draft_ids=draft_ids if total else None,
-    )
 
 
 def runner_step_rows(runner: Any) -> StepRows:

@@ -22,9 +22,12 @@ picks V2 (`VllmConfig.use_v2_model_runner`). It hooks:
 - `GPUModelRunner.load_model`, to build the head right after the weights load
   (`runner_hooks.prepare_after_load`).
 
-Under speculative decoding every step of V2 is served dense (`speculative_verify`, and the status
-route's `spec.verify.reason_code` is `model_runner_v2`): V2's verify rows are not served by
-FlashHead in this version (its adaptive verification also lays the rows out on the device only).
+Under speculative decoding a request with `n` drafts has `n + 1` logits rows, laid out as under V1:
+verify rows served as the table of docs/flashhead-serving.md says (greedy ones are FlashHead's greedy
+rows; sampled ones score their draft token exactly), read from V2's host `cu_num_logits_np` and
+`num_draft_tokens_per_req`; the draft tokens stay on the device (`spec_rows`). V2's adaptive
+verification reallocates drafts on the device only, so its steps are dense (`speculative_verify`, and
+`spec.verify.reason_code: "model_runner_v2"`). V2's drafters keep their dense heads.
 
 Rows are sampled when their slot's temperature in V2's `SamplingStates` is
 above 0; FlashHead's logits for them are deterministic, so a request's `seed`
@@ -42,19 +45,23 @@ from typing import Any
 import numpy as np
 
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows
+from my_pkg.engine.flashhead.spec import without_verify
 from my_pkg.engine.patches.runner_hooks import (
     WRAPPED,
     classify,
     controller_of_runner,
     hook_load_model,
+    pins_drafts,
     require,
     run_armed,
     share_pinned_ids,
     shared_pinned_ids,
+    spec_step_rows,
     union_stop_ids,
     warn_once,
 )
 from my_pkg.engine.vllm_uses import attributes, symbol
+from my_pkg.flashhead.staging import index_tensor
 
 TARGET = "vllm.v1.worker.gpu.model_runner.GPUModelRunner, vllm.v1.worker.gpu.sample.sampler.Sampler"
 #: What the hooks rely on beyond their imports (`my_pkg.devtools.compat` checks it): the wrapped methods'
@@ -66,7 +73,15 @@ VLLM_SYMBOLS = (
         params=("self", "hidden_states", "input_batch"),
     ),
     symbol("vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model", "method", params=("self",)),
-    *attributes("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "sampler", "batch_sharder", "speculative_config"),
+    *attributes(
+        "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
+        "sampler",
+        "batch_sharder",
+        "speculative_config",
+        "adaptive_verification",
+        "model_state",
+    ),
+    *attributes("vllm.v1.worker.gpu.model_states.interface:ModelState", "num_new_sampled_tokens_per_step"),
     symbol(
         "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
         "method",
@@ -75,7 +90,16 @@ VLLM_SYMBOLS = (
     *attributes("vllm.v1.worker.gpu.sample.sampler:Sampler", "sampling_states", "logits_processors"),
     *attributes("vllm.v1.worker.gpu.sample.states:SamplingStates", "max_num_reqs", "temperature"),
     *attributes("vllm.v1.worker.gpu.buffer_utils:UvaBackedTensor", "np"),
-    *attributes("vllm.v1.worker.gpu.input_batch:InputBatch", "num_reqs", "idx_mapping_np", "cu_num_logits_np"),
+    *attributes(
+        "vllm.v1.worker.gpu.input_batch:InputBatch",
+        "num_reqs",
+        "idx_mapping_np",
+        "cu_num_logits_np",
+        "num_draft_tokens",
+        "num_draft_tokens_per_req",
+        "input_ids",
+        "logits_indices",
+    ),
     symbol("vllm.v1.worker.gpu.sample.logit_bias:LogitBiasState", "class"),
     symbol("vllm.v1.worker.gpu.sample.penalties:PenaltiesState", "class"),
     symbol("vllm.v1.worker.gpu.sample.bad_words:BadWordsState", "class"),
@@ -112,8 +136,8 @@ def forget(sampler: Any) -> None:
     sampler.__dict__.pop(_STOP_TABLE, None)
 
 
-def step_rows(sampler: Any, input_batch: Any) -> StepRows:
-    """What each logits row of the step needs, from V2's `InputBatch` and the sampler's slot state."""
+def request_rows(sampler: Any, input_batch: Any) -> StepRows:
+    """What each request of the step needs, in batch order, from V2's `InputBatch` and the sampler's slot state."""
     num_reqs = int(input_batch.num_reqs)
     slots = np.asarray(input_batch.idx_mapping_np[:num_reqs], dtype=np.intp)
     table: np.ndarray | None = sampler.__dict__.get(_DENSE_TABLE)
@@ -130,18 +154,73 @@ def step_rows(sampler: Any, input_batch: Any) -> StepRows:
     if stops:  # only the slots whose request has stop ids beyond the pinned ones (some may have left)
         in_step = set(slots.tolist())
         stop_ids = union_stop_ids(ids for slot, ids in stops.items() if slot in in_step)
-    logits_per_request = np.diff(np.asarray(input_batch.cu_num_logits_np[: num_reqs + 1]))
-    if not np.all(logits_per_request == 1):  # a request with several (or no) logits rows this step
-        codes, sampled = np.repeat(codes, logits_per_request), np.repeat(sampled, logits_per_request)
     return StepRows(dense_codes=codes, sampled=sampled, stop_ids=stop_ids)
 
 
-def runner_step_rows(runner: Any, sampler: Any, input_batch: Any) -> StepRows:
-    """`step_rows`, or the whole step dense under speculative decoding (see the module docstring)."""
-    rows = step_rows(sampler, input_batch)
-    if getattr(runner, "speculative_config", None) is not None:
+def _logits_per_request(input_batch: Any, num_reqs: int) -> np.ndarray:
+    return np.diff(np.asarray(input_batch.cu_num_logits_np[: num_reqs + 1], dtype=np.int64))
+
+
+def step_rows(sampler: Any, input_batch: Any) -> StepRows:
+    """What each logits row of the step needs: its request's code, once per row the request has."""
+    rows = request_rows(sampler, input_batch)
+    logits_per_request = _logits_per_request(input_batch, rows.num_rows)
+    if np.all(logits_per_request == 1):
+        return rows
+    return StepRows(  # a request with several (or no) logits rows this step
+        dense_codes=np.repeat(rows.dense_codes, logits_per_request),
+        sampled=np.repeat(rows.sampled, logits_per_request),
+        stop_ids=rows.stop_ids,
+    )
+
+
+def spec_rows(runner: Any, sampler: Any, input_batch: Any) -> StepRows:
+    """The rows of a step under speculative decoding. A request with `n` drafts has `n + 1` logits rows
+    (`cu_num_logits_np`): its verify rows, then its bonus row, as under V1 (`runner_hooks.spec_step_rows`).
+    The token verify row `r` checks is the input token of row `r + 1`, where V2's rejection sampler reads
+    it (`input_ids[logits_indices]`); it is gathered on the device, only when a sampled verify row is
+    served and drafts are pinned (`pins_drafts`). Steps V2 lays out on the device only (adaptive
+    verification, several new tokens per step) are served dense."""
+    rows = request_rows(sampler, input_batch)
+    num_reqs = rows.num_rows
+    drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+    if drafts is None or int(input_batch.num_draft_tokens) == 0:
+        return step_rows(sampler, input_batch)
+    if getattr(runner, "adaptive_verification", None) is not None or _new_tokens_per_step(runner) != 1:
+        _refuse_verify(runner)
         return StepRows(rows.dense_codes, rows.sampled, rows.stop_ids, all_dense="speculative_verify")
-    return rows
+    drafts = np.asarray(drafts[:num_reqs], dtype=np.int64)
+    if drafts.shape != (num_reqs,) or not np.array_equal(_logits_per_request(input_batch, num_reqs), drafts + 1):
+        return StepRows(rows.dense_codes, rows.sampled, rows.stop_ids, all_dense="unexpected_rows")
+    spec = spec_step_rows(rows, drafts, None)
+    assert spec.verify_rows is not None
+    verify = spec.verify_rows
+    pinned = spec.sampled[verify] & (spec.dense_codes[verify] == 0)
+    if pins_drafts(runner.speculative_config) and pinned.any():
+        inputs = input_batch.input_ids
+        next_row = index_tensor(verify + 1, inputs.device)
+        spec.draft_ids = inputs.index_select(0, input_batch.logits_indices.index_select(0, next_row))
+    return spec
+
+
+def _new_tokens_per_step(runner: Any) -> int:
+    return int(getattr(getattr(runner, "model_state", None), "num_new_sampled_tokens_per_step", 1))
+
+
+def _refuse_verify(runner: Any) -> None:
+    """Show in the status that this server's verify rows are dense (once; its steps say so by their count)."""
+    controller = controller_of_runner(runner)
+    if controller is not None and controller.spec is not None and controller.spec.verify.active:
+        controller.spec = without_verify(
+            controller.spec, "model_runner_v2", "Model Runner V2 lays out these verify rows on the device only"
+        )
+
+
+def runner_step_rows(runner: Any, sampler: Any, input_batch: Any) -> StepRows:
+    """The rows of the runner's current step: one per logits row, or the speculative-decoding layout."""
+    if getattr(runner, "speculative_config", None) is None:
+        return step_rows(sampler, input_batch)
+    return spec_rows(runner, sampler, input_batch)
 
 
 def apply() -> None:

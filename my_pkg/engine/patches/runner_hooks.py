@@ -1,5 +1,6 @@
 """What the V1 and V2 model-runner hooks share: finding the controller, classifying a request,
-arming a step, building the head right after the weights load, and never raising into vLLM.
+laying out a speculative-decoding step, arming a step, building the head right after the weights
+load, and never raising into vLLM.
 
 `model_runner.py` (V1: `GPUModelRunner`, which the CPU runner subclasses) and
 `model_runner_v2.py` (Model Runner V2) differ only in where vLLM keeps a request's state and
@@ -12,6 +13,8 @@ import functools
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import numpy as np
 
 from my_pkg.engine.flashhead.controller import FlashHeadController
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows, request_dense_reason, request_stop_ids
@@ -29,13 +32,15 @@ _NOT_FOUND = object()
 _warned: set[str] = set()
 T = TypeVar("T")
 #: What the shared hooks rely on beyond their imports (`my_pkg.devtools.compat` checks it): the V1 and V2
-#: runners' model lookups and load step, the model config's sleep mode, and the LM head's class tree.
+#: runners' model lookups and load step, the model config's sleep mode, the LM head's class tree, and how
+#: speculative drafts are sampled.
 VLLM_SYMBOLS = (
     symbol("vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model", "method", params=("self",)),
     symbol("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", "method", params=("self",)),
     *attributes("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "model", "model_config"),
     symbol("vllm.v1.worker.gpu.model_runner:GPUModelRunner.get_model", "method", params=("self",)),
     *attributes("vllm.config:ModelConfig", "enable_sleep_mode"),
+    *attributes("vllm.config:SpeculativeConfig", "draft_sample_method"),
     symbol(
         "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",
         "class",
@@ -147,6 +152,36 @@ def union_stop_ids(tables: Any) -> tuple[int, ...]:
     for one in distinct:
         ids.update(one)
     return tuple(sorted(ids))
+
+
+def pins_drafts(speculative_config: Any) -> bool:
+    """Whether sampled verify rows score their draft token exactly: only when vLLM verifies them without
+    draft probabilities (n-gram and other model-free drafts, and model drafts sampled greedily, vLLM's
+    default). With draft probabilities, pinning would make the target law depend on the random draft."""
+    return getattr(speculative_config, "draft_sample_method", "greedy") != "probabilistic"
+
+
+def spec_step_rows(per_request: StepRows, num_draft_tokens: Any, draft_ids: Any) -> StepRows:
+    """The rows of a speculative-decoding step from its requests' rows (`step_rows`): request `i` with
+    `n_i` drafts has `n_i + 1` consecutive rows, its verify rows then its bonus row, in batch order
+    (as V1's `_calc_spec_decode_metadata` and V2's `cu_num_logits` lay them out). `draft_ids` (device, one
+    per verify row) or None (nothing pinned). Host numpy only: the device is never waited for."""
+    num_reqs = per_request.num_rows
+    n = np.asarray(num_draft_tokens, dtype=np.int64)
+    if n.shape != (num_reqs,) or (n < 0).any():
+        return StepRows(per_request.dense_codes, per_request.sampled, per_request.stop_ids, all_dense="unexpected_rows")
+    rows_per_request = n + 1
+    first_row = np.cumsum(rows_per_request) - rows_per_request
+    first_draft = np.cumsum(n) - n
+    total = int(n.sum())
+    verify_rows = np.repeat(first_row, n) + (np.arange(total, dtype=np.int64) - np.repeat(first_draft, n))
+    return StepRows(
+        dense_codes=np.repeat(per_request.dense_codes, rows_per_request),
+        sampled=np.repeat(per_request.sampled, rows_per_request),
+        stop_ids=per_request.stop_ids,
+        verify_rows=verify_rows,
+        draft_ids=draft_ids if total else None,
+    )
 
 
 def run_armed(controller: FlashHeadController | None, rows: Callable[[], StepRows], call: Callable[[], T]) -> T:

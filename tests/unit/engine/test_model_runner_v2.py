@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from my_pkg.engine import patches
 from my_pkg.engine.flashhead.rows import DenseReason
+from my_pkg.engine.flashhead.spec import spec_state
 from my_pkg.engine.patches import logits_processor, model_runner, model_runner_v2, runner_hooks
 from my_pkg.flashhead.assets import save_clustering_cache
 
@@ -458,6 +459,155 @@ def test_batch_sharded_sampling_is_not_armed(v2, tmp_path, flashhead_hooks):
     with pytest.raises(DeviceLost):
         runner.sample(torch.randn(1, HIDDEN), batch, None)
     assert seen == [None]
+
+
+# ---- speculative decoding: V2's verify rows ------------------------------------------------------
+
+NGRAM = SimpleNamespace(method="ngram", num_speculative_tokens=3, draft_sample_method="greedy")
+
+
+def _spec_batch(batch, drafts_per_request, *, seed=0):
+    """`batch` as V2's `prepare_inputs` lays out a step with `drafts_per_request` drafts: each request's
+    query is its last sampled token then its drafts, and its logits rows are the last `n + 1` positions
+    (`combine_sampled_and_draft_tokens`); input ids are random tokens."""
+    n = np.asarray(drafts_per_request, dtype=np.int32)
+    query_end = np.cumsum(n + 1 + 2)  # two tokens more per request than its logits rows, as in a chunk
+    logits_indices = np.concatenate([np.arange(end - k - 1, end) for end, k in zip(query_end, n)])
+    cu_num_logits = np.concatenate([[0], np.cumsum(n + 1)]).astype(np.int32)
+    input_ids = torch.randint(0, VOCAB, (int(query_end[-1]),), generator=torch.Generator().manual_seed(seed))
+    return dataclasses.replace(
+        batch,
+        num_draft_tokens=int(n.sum()),
+        num_draft_tokens_per_req=n,
+        cu_num_logits_np=cu_num_logits,
+        cu_num_logits=torch.from_numpy(cu_num_logits),
+        logits_indices=torch.from_numpy(logits_indices),
+        input_ids=input_ids,
+    )
+
+
+def _drafts_the_rejection_sampler_reads(batch, verify_rows):
+    """V2's `gather_draft_sampled` reads each logits row's input token; row `r` verifies row `r + 1`'s."""
+    draft_sampled = batch.input_ids[batch.logits_indices]
+    return draft_sampled[torch.from_numpy(verify_rows + 1)]
+
+
+def _spec_runner(v2, tmp_path, speculative_config=NGRAM):
+    lm_head = _lm_head()
+    processor = _processor(tmp_path, lm_head)
+    controller = processor._my_pkg_flashhead
+    controller.spec = spec_state(speculative_config, v2=True, hook_error=None)
+    runner = _runner(v2, TinyLM(processor, lm_head))
+    runner.speculative_config = speculative_config
+    runner.speculator = SimpleNamespace(draft_logits=None)
+
+    def rejection_sampler(logits, input_batch, draft_logits, invalid_drafts):  # V2's is Triton kernels
+        runner.sampler.seen_logits = logits
+        return SimpleNamespace(num_sampled=None, num_rejected=None)
+
+    runner.rejection_sampler = rejection_sampler
+    return runner, controller, lm_head
+
+
+def test_v2_verify_rows_follow_its_logits_layout_and_their_drafts_are_what_its_rejection_sampler_reads(v2):
+    model_runner_v2.apply()
+    runner = _runner(v2)
+    runner.speculative_config = NGRAM
+    batch = _step(
+        runner,
+        new=[
+            _request("greedy", temperature=0.0),
+            _request("sampled", temperature=0.7),
+            _request("logprobs", temperature=0.9, logprobs=1),
+        ],
+    )
+    order = {req_id: i for i, req_id in enumerate(batch.req_ids)}
+    drafts = [{"greedy": 2, "sampled": 3, "logprobs": 1}[req_id] for req_id in batch.req_ids]
+    batch = _spec_batch(batch, drafts)
+    rows = model_runner_v2.runner_step_rows(runner, runner.sampler, batch)
+
+    assert rows.all_dense is None and rows.num_rows == sum(drafts) + 3
+    first = np.concatenate([[0], np.cumsum(np.asarray(drafts) + 1)])
+    expected_verify = np.concatenate([np.arange(first[i], first[i + 1] - 1) for i in range(3)])
+    assert rows.verify_rows.tolist() == expected_verify.tolist()
+    code = {"greedy": 0, "sampled": 0, "logprobs": DenseReason.LOGPROBS}
+    for req_id, i in order.items():
+        assert rows.dense_codes[first[i] : first[i + 1]].tolist() == [code[req_id]] * (drafts[i] + 1)
+        assert rows.sampled[first[i] : first[i + 1]].tolist() == [req_id != "greedy"] * (drafts[i] + 1)
+    assert rows.draft_ids.tolist() == _drafts_the_rejection_sampler_reads(batch, rows.verify_rows).tolist()
+
+
+def test_v2_gathers_no_drafts_when_none_is_pinned(v2):
+    model_runner_v2.apply()
+    runner = _runner(v2)
+    runner.speculative_config = NGRAM
+    batch = _spec_batch(_step(runner, new=[_request("greedy", temperature=0.0)]), [3])
+    rows = model_runner_v2.runner_step_rows(runner, runner.sampler, batch)
+    assert rows.verify_rows.tolist() == [0, 1, 2] and rows.draft_ids is None  # greedy rows need no pin
+
+    runner.speculative_config = SimpleNamespace(method="eagle", draft_sample_method="probabilistic")
+    batch = _spec_batch(_step(runner, new=[_request("sampled", temperature=0.8)], decoding=("greedy",)), [1, 2])
+    rows = model_runner_v2.runner_step_rows(runner, runner.sampler, batch)
+    assert rows.verify_rows.tolist() == [0, 2, 3] and rows.draft_ids is None  # the draft law must stay the drafter's
+
+    batch = _step(runner, decoding=("greedy", "sampled"))  # a step without drafts: one row per request
+    rows = model_runner_v2.runner_step_rows(runner, runner.sampler, batch)
+    assert rows.num_rows == 2 and rows.verify_rows is None and rows.all_dense is None
+
+
+def test_v2_sample_serves_verify_rows_as_flashhead_with_each_sampled_draft_exact(v2, tmp_path, flashhead_hooks):
+    runner, controller, lm_head = _spec_runner(v2, tmp_path)
+    batch = _step(runner, new=[_request("greedy", temperature=0.0), _request("sampled", temperature=0.8)])
+    drafts = [2 if req_id == "greedy" else 3 for req_id in batch.req_ids]
+    batch = _spec_batch(batch, drafts)
+    num_rows = sum(drafts) + 2
+    hidden_states = torch.randn(batch.input_ids.numel(), HIDDEN)  # every token of the step
+    hidden = hidden_states[batch.logits_indices]
+    dense = hidden @ lm_head.weight.T
+
+    runner.sample(hidden_states, batch, None)  # builds the head, as the profile run does
+    logits = runner.sampler.seen_logits
+    reference = controller.compute_logits(  # the same rows served without speculation
+        hidden, model_runner_v2.step_rows(runner.sampler, batch), lambda h: h @ lm_head.weight.T, lambda x: x
+    )
+    rows = model_runner_v2.runner_step_rows(runner, runner.sampler, batch)
+    draft_ids = _drafts_the_rejection_sampler_reads(batch, rows.verify_rows)
+    for j, row in enumerate(rows.verify_rows.tolist()):
+        if rows.sampled[row]:
+            token = int(draft_ids[j])
+            torch.testing.assert_close(logits[row, token], dense[row, token])  # the draft's logit is exact
+            others = torch.ones(VOCAB, dtype=torch.bool)
+            others[token] = False
+            torch.testing.assert_close(logits[row, others], reference[row, others])
+        else:
+            torch.testing.assert_close(logits[row], reference[row])  # FlashHead's greedy row, unchanged
+    greedy_rows = np.flatnonzero(~rows.sampled)
+    assert all(0 < int(torch.isfinite(logits[r]).sum()) < VOCAB // 2 for r in greedy_rows)  # candidates only
+    counters = controller.counters
+    assert counters.rows_flashhead == 2 * num_rows  # the step and the reference call
+    assert counters.rows_flashhead_verify == sum(drafts) and counters.rows_flashhead_verify_pinned == 3
+    assert controller.status().spec.verify.active
+
+
+def test_v2_steps_laid_out_on_the_device_are_dense_and_the_status_says_so(v2, tmp_path, flashhead_hooks):
+    runner, controller, lm_head = _spec_runner(v2, tmp_path)
+    batch = _spec_batch(_step(runner, new=[_request("a", temperature=0.0), _request("b", temperature=0.5)]), [2, 1])
+    hidden_states = torch.randn(batch.input_ids.numel(), HIDDEN)
+    dense = hidden_states[batch.logits_indices] @ lm_head.weight.T
+
+    wrong = dataclasses.replace(batch, cu_num_logits_np=np.array([0, 2, 5], dtype=np.int32))  # 1 + 3 rows
+    runner.sample(hidden_states, wrong, None)
+    torch.testing.assert_close(runner.sampler.seen_logits, dense)
+    assert controller.counters.rows_dense == {"unexpected_rows": 5}
+    assert controller.status().spec.verify.active  # one odd step says nothing of the next
+
+    runner.adaptive_verification = object()  # drafts reallocated on the device only
+    runner.sample(hidden_states, batch, None)
+    torch.testing.assert_close(runner.sampler.seen_logits, dense)
+    assert controller.counters.rows_dense["speculative_verify"] == 5 and controller.counters.rows_flashhead == 0
+    status = controller.status().spec
+    assert not status.verify.active and status.verify.reason_code == "model_runner_v2"
+    assert "on the device" in status.verify.reason and not status.pin_drafts
 
 
 def _install_hooks(monkeypatch, *, building: bool = True):

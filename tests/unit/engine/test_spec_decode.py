@@ -1,5 +1,6 @@
-"""FlashHead under speculative decoding (V1): the rows of a step against vLLM's own layout, the draft
-token scored exactly on sampled verify rows only, the per-part status, and the fallbacks."""
+"""FlashHead under speculative decoding (V1; V2's layout is in test_model_runner_v2.py): the rows of a step
+against vLLM's own layout, the draft token scored exactly on sampled verify rows only, the per-part status,
+and the fallbacks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from my_pkg.contract import FlashHeadState
 from my_pkg.engine.flashhead import FlashHeadController, StepRows
 from my_pkg.engine.flashhead.rows import DenseReason
 from my_pkg.engine.flashhead.spec import spec_state
-from my_pkg.engine.patches import model_runner, model_runner_v2
+from my_pkg.engine.patches import model_runner, runner_hooks
 
 VOCAB, HIDDEN, CAP = 256, 16, 16
 NGRAM = SimpleNamespace(method="ngram", num_speculative_tokens=3, draft_sample_method="greedy")
@@ -81,7 +82,7 @@ def test_the_stash_is_per_step_and_probabilistic_drafts_are_not_pinned(flashhead
 
 def test_a_mismatched_draft_count_serves_the_step_dense_with_a_reason():
     per_request = StepRows(np.zeros(3, np.uint8), np.zeros(3, bool))
-    rows = model_runner.spec_step_rows(per_request, np.array([1, 2]), None)
+    rows = runner_hooks.spec_step_rows(per_request, np.array([1, 2]), None)
     assert rows.all_dense == "unexpected_rows"
 
 
@@ -90,16 +91,6 @@ def test_without_the_metadata_hook_speculative_steps_are_dense(monkeypatch):
     rows = model_runner.runner_step_rows(_fake_runner(2, [0.0, 0.0], {}))
     assert rows.all_dense == "speculative_verify"
     assert model_runner.runner_step_rows(_fake_runner(2, [0.0, 0.0], {}, None)).all_dense is None
-
-
-def test_v2_speculative_steps_are_dense_with_their_reason(monkeypatch):
-    monkeypatch.setattr(
-        model_runner_v2, "step_rows", lambda sampler, batch: StepRows(np.zeros(2, np.uint8), np.zeros(2, bool))
-    )
-    runner = SimpleNamespace(speculative_config=NGRAM)
-    assert model_runner_v2.runner_step_rows(runner, None, None).all_dense == "speculative_verify"
-    runner.speculative_config = None
-    assert model_runner_v2.runner_step_rows(runner, None, None).all_dense is None
 
 
 # ---- the controller: greedy rows unchanged, sampled verify rows with their draft exact ------------
@@ -146,7 +137,7 @@ def test_greedy_verify_rows_are_flashheads_greedy_rows_and_sampled_ones_score_th
             for r in (0, 1, 3, 4, 5, 7)
         ]
     )
-    rows = model_runner.spec_step_rows(per_request, n, drafts)
+    rows = runner_hooks.spec_step_rows(per_request, n, drafts)
     assert rows.verify_rows.tolist() == [0, 1, 3, 4, 5, 7]
     before = controller.counters.snapshot()
     logits = _serve(controller, hidden, rows)
@@ -175,7 +166,7 @@ def test_without_draft_ids_sampled_verify_rows_are_unpinned(controller):
     per_request = StepRows(np.zeros(1, np.uint8), np.ones(1, bool))
     hidden = torch.randn(3, HIDDEN)
     reference = _serve(controller, hidden, StepRows(np.zeros(3, np.uint8), np.ones(3, bool)))
-    logits = _serve(controller, hidden, model_runner.spec_step_rows(per_request, np.array([2]), None))
+    logits = _serve(controller, hidden, runner_hooks.spec_step_rows(per_request, np.array([2]), None))
     torch.testing.assert_close(logits, reference)
     assert controller.counters.rows_flashhead_verify == 2 and controller.counters.rows_flashhead_verify_pinned == 0
 
@@ -185,7 +176,7 @@ def test_steps_the_hooks_mark_dense_and_wrong_row_counts_are_counted(controller)
     dense = hidden @ controller.head.weight.T
     marked = StepRows(np.zeros(4, np.uint8), np.zeros(4, bool), all_dense="speculative_verify")
     torch.testing.assert_close(_serve(controller, hidden, marked), dense)
-    short = model_runner.spec_step_rows(StepRows(np.zeros(1, np.uint8), np.zeros(1, bool)), np.array([2]), None)
+    short = runner_hooks.spec_step_rows(StepRows(np.zeros(1, np.uint8), np.zeros(1, bool)), np.array([2]), None)
     torch.testing.assert_close(_serve(controller, hidden, short), dense)  # 3 rows announced, 4 came
     assert controller.counters.rows_dense == {"speculative_verify": 4, "unexpected_rows": 4}
     assert controller.counters.rows_flashhead == 0
@@ -200,12 +191,13 @@ def test_steps_the_hooks_mark_dense_and_wrong_row_counts_are_counted(controller)
         (NGRAM, False, None, None, "no_draft_head"),
         (SimpleNamespace(method="suffix", num_speculative_tokens=4), False, None, None, "no_draft_head"),
         (SimpleNamespace(method="eagle3", num_speculative_tokens=3), False, None, None, "draft_not_loaded"),
-        (SimpleNamespace(method="eagle", num_speculative_tokens=2), True, None, "model_runner_v2", "model_runner_v2"),
+        (SimpleNamespace(method="eagle", num_speculative_tokens=2), True, None, None, "model_runner_v2"),
         (SimpleNamespace(method="medusa", num_speculative_tokens=2), False, None, None, "draft_head_not_supported"),
         (SimpleNamespace(method="mtp", num_speculative_tokens=1), False, None, None, "draft_head_not_supported"),
         (DRAFT_MODEL, False, None, None, "draft_not_loaded"),  # decided when the drafter loads (test_spec_draft)
-        (DRAFT_MODEL, True, None, "model_runner_v2", "model_runner_v2"),
-        (NGRAM, True, None, "model_runner_v2", "no_draft_head"),
+        (DRAFT_MODEL, True, None, None, "model_runner_v2"),
+        (NGRAM, True, None, None, "no_draft_head"),
+        (NGRAM, True, "moved", None, "no_draft_head"),  # V2 verifies without V1's metadata hook
         (NGRAM, False, "moved", "spec_hook_failed", "no_draft_head"),
     ],
 )
@@ -273,7 +265,7 @@ def test_vllms_rejection_sampler_emits_the_pinned_rows_own_law(controller):
     exact_here = torch.isclose(unpinned, dense[0])
     outside = torch.where(exact_here, torch.full_like(dense[0], -torch.inf), dense[0])
     d = int(outside.argmax())  # the likeliest token whose logit FlashHead only estimated
-    rows = model_runner.spec_step_rows(
+    rows = runner_hooks.spec_step_rows(
         StepRows(np.zeros(1, np.uint8), np.ones(1, bool)), np.array([1]), torch.tensor([d], dtype=torch.int32)
     )
     verify = _serve(controller, hidden, rows)[0]
