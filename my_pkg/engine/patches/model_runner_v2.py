@@ -186,15 +186,19 @@ def spec_rows(runner: Any, sampler: Any, input_batch: Any) -> StepRows:
     drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
     if drafts is None or int(input_batch.num_draft_tokens) == 0:
         return step_rows(sampler, input_batch)
-    if getattr(runner, "adaptive_verification", None) is not None or _new_tokens_per_step(runner) != 1:
-        _refuse_verify(runner)
+    if getattr(runner, "adaptive_verification", None) is not None:
+        _refuse_verify(runner, "adaptive verification reallocates the drafts on the device only")
+        return StepRows(rows.dense_codes, rows.sampled, rows.stop_ids, all_dense="speculative_verify")
+    if _new_tokens_per_step(runner) != 1:
+        _refuse_verify(runner, "the model state samples several new tokens per step")
         return StepRows(rows.dense_codes, rows.sampled, rows.stop_ids, all_dense="speculative_verify")
     drafts = np.asarray(drafts[:num_reqs], dtype=np.int64)
     if drafts.shape != (num_reqs,) or not np.array_equal(_logits_per_request(input_batch, num_reqs), drafts + 1):
         return StepRows(rows.dense_codes, rows.sampled, rows.stop_ids, all_dense="unexpected_rows")
     spec = spec_step_rows(rows, drafts, None)
-    assert spec.verify_rows is not None
     verify = spec.verify_rows
+    if verify is None:
+        return spec
     pinned = spec.sampled[verify] & (spec.dense_codes[verify] == 0)
     if pins_drafts(runner.speculative_config) and pinned.any():
         inputs = input_batch.input_ids
@@ -207,13 +211,12 @@ def _new_tokens_per_step(runner: Any) -> int:
     return int(getattr(getattr(runner, "model_state", None), "num_new_sampled_tokens_per_step", 1))
 
 
-def _refuse_verify(runner: Any) -> None:
-    """Show in the status that this server's verify rows are dense (once; its steps say so by their count)."""
+def _refuse_verify(runner: Any, why: str) -> None:
+    """Show in the status that this server's verify rows are dense, and `why` (once; its steps say so by their
+    count)."""
     controller = controller_of_runner(runner)
     if controller is not None and controller.spec is not None and controller.spec.verify.active:
-        controller.spec = without_verify(
-            controller.spec, "model_runner_v2", "Model Runner V2 lays out these verify rows on the device only"
-        )
+        controller.spec = without_verify(controller.spec, "model_runner_v2", why)
 
 
 def runner_step_rows(runner: Any, sampler: Any, input_batch: Any) -> StepRows:

@@ -610,6 +610,16 @@ def test_v2_steps_laid_out_on_the_device_are_dense_and_the_status_says_so(v2, tm
     assert "on the device" in status.verify.reason and not status.pin_drafts
 
 
+def test_v2_steps_that_sample_several_new_tokens_per_request_are_dense(v2, tmp_path, flashhead_hooks):
+    runner, controller, lm_head = _spec_runner(v2, tmp_path)
+    runner.model_state.num_new_sampled_tokens_per_step = 2
+    batch = _spec_batch(_step(runner, new=[_request("a", temperature=0.0)]), [1])
+    rows = model_runner_v2.runner_step_rows(runner, runner.sampler, batch)
+    assert rows.all_dense == "speculative_verify"
+    status = controller.status().spec
+    assert status.verify.reason_code == "model_runner_v2" and "several new tokens" in status.verify.reason
+
+
 def _install_hooks(monkeypatch, *, building: bool = True):
     """`patches.on_flashhead_model()` in a worker building the model (a vLLM config is current) or
     elsewhere, with vLLM's `LogitsProcessor` registry taken back afterwards."""
