@@ -1,5 +1,6 @@
 """FlashHead verifying n-gram speculative decoding in a real vLLM server (V1 runner on CPU): greedy
-answers equal FlashHead without speculation token for token, the status route reports each part,
+answers equal FlashHead without speculation token for token (and the dense head's at full probes), the
+status route reports each part,
 verify rows are counted, sampled verify rows get their draft scored exactly; prints acceptance with FlashHead verify
 next to the dense head on the same server (`PUT enabled`)."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from e2e_support import ADMIN_TOKEN, auth, client
+from e2e_support import ADMIN_TOKEN, NUM_CLUSTERS, auth, client
 
 from tests.support.server import VllmServer
 
@@ -108,6 +109,27 @@ def test_greedy_answers_equal_flashhead_without_speculation_and_verify_rows_are_
             f"\nFlashHead verify: acceptance {(accepted1 - accepted0) / (drafted1 - drafted0):.3f} "
             f"({accepted1 - accepted0:.0f}/{drafted1 - drafted0:.0f} drafts)"
         )
+
+
+def test_every_cluster_probed_verifies_as_the_dense_head_does(ngram_server: VllmServer):
+    """At full probes FlashHead's verify rows score every token exactly: the greedy answers under speculation
+    are the dense head's on the same server (FlashHead switched off), token for token."""
+    with client(ngram_server) as http:
+        restore = {"enabled": True, "n_probes": _status(http)["n_probes"]}
+        try:
+            assert http.put(FLASHHEAD, json={"enabled": False}, headers=auth(ADMIN_TOKEN)).status_code == 200
+            dense = [_tokens(http, prompt) for prompt in PROMPTS]
+            wide = {"enabled": True, "n_probes": NUM_CLUSTERS}
+            assert http.put(FLASHHEAD, json=wide, headers=auth(ADMIN_TOKEN)).status_code == 200
+            before = _status(http)["counters"]
+            answers = [_tokens(http, prompt) for prompt in PROMPTS]
+            after = _status(http)["counters"]
+        finally:
+            assert http.put(FLASHHEAD, json=restore, headers=auth(ADMIN_TOKEN)).status_code == 200
+    for prompt, got, expected in zip(PROMPTS, answers, dense):
+        assert got == expected, prompt
+    assert after["rows_flashhead_verify"] > before["rows_flashhead_verify"]  # the verify rows were FlashHead's
+    assert after["fallbacks"] == before["fallbacks"]
 
 
 def test_sampled_verify_rows_score_their_drafts_exactly(ngram_server: VllmServer):
