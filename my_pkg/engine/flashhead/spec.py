@@ -6,9 +6,9 @@ verification, which turns the part off at its first step, `without_verify`). Dra
 served by FlashHead (under V1) when the drafter is a draft model (`method: draft_model`) that is itself
 a FlashHead checkpoint with the target's vocabulary, or an EAGLE / EAGLE-3 head that computes its logits
 with the target's LM head (`flashhead/draft.py`, `patches/spec_proposer.py`); decided when vLLM loads the
-drafter, right after the target. Each part
-has its own `reason_code` (`contract.SpecReasonCode`); FlashHead stays on for every other row. Imports
-the contract (and the vLLM-free `vllm_uses` helper) only; vLLM's config reaches it as a plain argument.
+drafter, right after the target. Each part has its own `reason_code` (`contract.SpecReasonCode`);
+FlashHead stays on for every other row. Imports the contract (and the vLLM-free `vllm_uses` helper)
+only; vLLM's config reaches it as a plain argument.
 """
 
 from __future__ import annotations
