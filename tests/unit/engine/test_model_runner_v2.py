@@ -471,7 +471,7 @@ def _spec_batch(batch, drafts_per_request, *, seed=0):
     query is its last sampled token then its drafts, and its logits rows are the last `n + 1` positions
     (`combine_sampled_and_draft_tokens`); input ids are random tokens."""
     n = np.asarray(drafts_per_request, dtype=np.int32)
-    query_end = np.cumsum(n + 1 + 2)  # two tokens more per request than its logits rows, as in a chunk
+    query_end = np.cumsum(n + 1 + 2)  # each query two tokens longer than its logits rows: rows != positions
     logits_indices = np.concatenate([np.arange(end - k - 1, end) for end, k in zip(query_end, n)])
     cu_num_logits = np.concatenate([[0], np.cumsum(n + 1)]).astype(np.int32)
     input_ids = torch.randint(0, VOCAB, (int(query_end[-1]),), generator=torch.Generator().manual_seed(seed))
