@@ -1,15 +1,18 @@
-"""Shared helpers for the benchmarks: machine description and marker-delimited sections
-of ``docs/benchmarks.md``."""
+"""Shared helpers for the benchmarks: machine description, marker-delimited sections of
+``docs/benchmarks.md``, comma-separated integer arguments and a median wall-clock timer."""
 
 from __future__ import annotations
 
 import os
 import platform
 import re
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["write_section", "machine_description", "BENCHMARKS_MD"]
+__all__ = ["write_section", "machine_description", "int_list", "median_ms", "BENCHMARKS_MD"]
 
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -78,3 +81,18 @@ def command_line() -> str:
             args.append(arg)
     module = ".".join(script.with_suffix("").parts)
     return " ".join(["python", "-m", module, *args])
+
+
+def int_list(text: str) -> list[int]:
+    """`"1,8,32"` as `[1, 8, 32]` (an argparse `type`)."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall-clock milliseconds of `repeats` calls of `fn`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)

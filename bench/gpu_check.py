@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from bench._report import int_list
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.kernels import torch_ref, triton_available
 
@@ -391,10 +392,6 @@ def run_timing(
 # ---- command line ------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def _shapes(text: str) -> list[tuple[int, int]]:
     """``VOCABxHIDDEN,...``."""
     out = []
@@ -436,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="VxH,...",
         help="heads to time (default: 128256x2048,128256x4096,151936x896)",
     )
-    ap.add_argument("--batches", type=_ints, default=list(TIMING_BATCHES), help="timed batch sizes")
+    ap.add_argument("--batches", type=int_list, default=list(TIMING_BATCHES), help="timed batch sizes")
     ap.add_argument("--timing-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--eager", action="store_true", help="time eager launches instead of CUDA-graph replays")
     args = ap.parse_args(argv)

@@ -30,7 +30,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from bench._report import command_line, machine_description, write_section
+from bench._report import command_line, int_list, machine_description, write_section
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 
@@ -38,10 +38,6 @@ FULL_HIDDEN = [640, 2048, 4096]
 FULL_VOCAB = [32000, 128256]
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 KINDS = ("greedy", "sampled", "mixed")
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 _CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
@@ -218,9 +214,9 @@ def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, m
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only 128,256 x 2,048")
-    ap.add_argument("--hidden", type=_ints, default=None)
-    ap.add_argument("--vocab", type=_ints, default=None)
-    ap.add_argument("--batches", type=_ints, default=None, help="default 1,2,4,...,256")
+    ap.add_argument("--hidden", type=int_list, default=None)
+    ap.add_argument("--vocab", type=int_list, default=None)
+    ap.add_argument("--batches", type=int_list, default=None, help="default 1,2,4,...,256")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of greedy,sampled,mixed")
     ap.add_argument("--pinned", type=int, default=3, help="pinned ids scored on every row (EOS and the like)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -19,31 +19,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from functools import partial
 
 import numpy as np
 import torch
 
-from bench._report import command_line, machine_description
+from bench._report import command_line, int_list, machine_description, median_ms
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.kernels import torch_ref
 
 KINDS = ("greedy", "sampled")
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _step(head: FlashHead, hidden: torch.Tensor, kind: str, pins: torch.Tensor):
@@ -70,13 +56,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             runs: dict[str, list[float]] = {"dense": []}
             dense = partial(torch.nn.functional.linear, hidden, weight)
             for rnd in range(args.rounds):
-                runs["dense"].append(_median_ms(dense, args.repeats))
+                runs["dense"].append(median_ms(dense, args.repeats))
                 for way in ("cut", "whole") if rnd % 2 == 0 else ("whole", "cut"):
                     torch_ref._MIN_IDS_PER_PART = cut_min if way == "cut" else 1 << 62
                     for kind in KINDS:
                         step = _step(head, hidden, kind, pins)
                         step()
-                        runs.setdefault(f"{kind} {way}", []).append(_median_ms(step, args.repeats))
+                        runs.setdefault(f"{kind} {way}", []).append(median_ms(step, args.repeats))
             row = {"batch": batch, "parts": parts}
             row.update({name: statistics.median(times) for name, times in runs.items()})
             results.append(row)
@@ -95,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--batches", type=_ints, default=[1, 2, 4])
+    ap.add_argument("--batches", type=int_list, default=[1, 2, 4])
     ap.add_argument("--threads", type=int, default=None, help="default: torch's (every core)")
     ap.add_argument("--repeats", type=int, default=7, help="calls per measurement (median)")
     ap.add_argument("--rounds", type=int, default=5)

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from bench._report import command_line, machine_description
+from bench._report import command_line, machine_description, median_ms
 from my_pkg.cli import main as cli
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.assets import load_assets, read_config
@@ -95,15 +95,6 @@ def _built(fx: TrainedFixture, root: Path, calibrated: bool) -> tuple[torch.Tens
     return centroids, assignments, int(config["n_probes"])
 
 
-def _median_ms(fn, repeats: int = 10) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def speed(vocab: int, hidden: int, rounds: int = 5) -> None:
     """Batch-1 step times on a random head of ``vocab x hidden`` (fp32, CPU), in paired rounds."""
     generator = torch.Generator().manual_seed(0)
@@ -132,7 +123,7 @@ def speed(vocab: int, hidden: int, rounds: int = 5) -> None:
     runs: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, fn in steps.items():
-            runs[name].append(_median_ms(fn))
+            runs[name].append(median_ms(fn, 10))
     dense = runs["dense logits"]
     for name, ms in runs.items():
         ratios = [d / m for d, m in zip(dense, ms)]

@@ -60,7 +60,7 @@ from bench._load import (
     prepare_flashhead_model,
     run_load,
 )
-from bench._report import command_line, machine_description, write_section
+from bench._report import command_line, int_list, machine_description, write_section
 from my_pkg.contract import DenseReason
 from tests.support.tiny_model import TinyLlamaSpec
 
@@ -257,10 +257,6 @@ class ShapeResult:
 
     def all_checked(self, key: tuple[str, int]) -> bool:
         return all(m.check for m in self.runs[key])
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _traffics(text: str) -> list[str]:
@@ -522,7 +518,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["head-heavy", "llama-1b", "all"], default="all")
     ap.add_argument("--llama-layers", type=int, default=4, help="layers of the Llama-3.2-1B-like shape (real: 16)")
-    ap.add_argument("--concurrency", type=_ints, default=None, help="default 1,8,32 (quick: 1,8)")
+    ap.add_argument("--concurrency", type=int_list, default=None, help="default 1,8,32 (quick: 1,8)")
     ap.add_argument("--traffic", type=_traffics, default=list(TRAFFIC), help="greedy, sampled or both (default)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 64; quick: 16)")
     ap.add_argument("--seconds", type=float, default=None, help="per measurement (default 30; quick: 4)")

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from bench._report import command_line, machine_description, write_section
+from bench._report import command_line, int_list, machine_description, write_section
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.probes import ShardStage1, merge_probes
@@ -61,10 +61,6 @@ GATHERS = {
     "gloo": "over a gloo process group (`torch.distributed.all_gather`)",
 }
 BLOCK = 128  # rows drawn per seeded block: any shard boundary on a block gives the same head
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _rows(seed: int, start: int, end: int, hidden: int) -> torch.Tensor:
@@ -303,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--batches", type=_ints, default=[1, 8])
+    ap.add_argument("--batches", type=int_list, default=[1, 8])
     ap.add_argument("--n-probes", type=int, default=None, help="default: the builder's (about 1/32 of the clusters)")
     ap.add_argument("--rounds", type=int, default=7, help="paired rounds per batch")
     ap.add_argument("--repeats", type=int, default=5, help="calls per measurement (median)")
