@@ -58,6 +58,20 @@ def serve_with_the_dense_drafter(http, reference: list[list[int]]) -> tuple[floa
     return accepted, drafted
 
 
+def report_acceptance(drafter: str, flashhead: tuple[float, float], dense: tuple[float, float]) -> tuple[float, float]:
+    """Print vLLM's acceptance with the FlashHead drafter head next to the dense one's, each `(accepted, drafted)`
+    over the prompts; return the two rates."""
+    (accepted, drafted), (dense_accepted, dense_drafted) = flashhead, dense
+    flash_rate, dense_rate = accepted / drafted, dense_accepted / max(dense_drafted, 1)
+    print(
+        f"\n{drafter}, greedy, {len(PROMPTS)} prompts, FlashHead verify: acceptance {flash_rate:.3f} "
+        f"({accepted:.0f}/{drafted:.0f}) with the FlashHead drafter (draft_n_probes {DEFAULT_PROBES}), "
+        f"{dense_rate:.3f} ({dense_accepted:.0f}/{dense_drafted:.0f}) with the dense drafter "
+        f"(draft_n_probes {NUM_CLUSTERS}: every cluster)"
+    )
+    return flash_rate, dense_rate
+
+
 def test_both_heads_are_built_when_the_models_load_before_any_request(flashhead_drafter_server: VllmServer):
     """vLLM sizes the KV cache right after loading: the target's FlashHead head and the drafter's exist by then,
     not at the first request (the server is fresh: no completion has reached it yet)."""
@@ -81,15 +95,9 @@ def test_the_flashhead_drafter_serves_the_drafts_and_answers_stay_flashheads(
             assert got == expected, prompt
         assert_drafts_through_flashhead(before["counters"], after["counters"], drafted)
 
-        dense_accepted, dense_drafted = serve_with_the_dense_drafter(http, reference)
+        dense = serve_with_the_dense_drafter(http, reference)
 
-    flash_rate, dense_rate = accepted / drafted, dense_accepted / max(dense_drafted, 1)
-    print(
-        f"\ndraft_model (the target's own checkpoint), greedy, {len(PROMPTS)} prompts, FlashHead verify: "
-        f"acceptance {flash_rate:.3f} ({accepted:.0f}/{drafted:.0f}) with the FlashHead drafter "
-        f"(draft_n_probes {DEFAULT_PROBES}), {dense_rate:.3f} ({dense_accepted:.0f}/{dense_drafted:.0f}) with the "
-        f"dense drafter (draft_n_probes {NUM_CLUSTERS}: every cluster)"
-    )
+    flash_rate, dense_rate = report_acceptance("draft_model (the target's own checkpoint)", (accepted, drafted), dense)
     assert flash_rate >= 0.97 * dense_rate
 
 

@@ -23,12 +23,11 @@ from e2e_support import (
     ADMIN_TOKEN,
     BOTH_HALVES,
     DEFAULT_PROBES,
-    NUM_CLUSTERS,
     RPC_TIMEOUT,
     assert_drafts_through_flashhead,
     client,
 )
-from test_speculative_drafter import _serve_prompts, serve_with_the_dense_drafter
+from test_speculative_drafter import _serve_prompts, report_acceptance, serve_with_the_dense_drafter
 from test_speculative_serving import PROMPTS, _status, _tokens
 
 from tests.support.server import VllmServer
@@ -88,12 +87,6 @@ def test_the_eagle_heads_drafts_go_through_flashhead_and_answers_stay_flashheads
         assert_drafts_through_flashhead(before["counters"], after["counters"], drafted)
 
         # The dense drafter: every cluster probed. Answers unchanged, the target's n_probes untouched.
-        dense_accepted, dense_drafted = serve_with_the_dense_drafter(http, reference)
+        dense = serve_with_the_dense_drafter(http, reference)
 
-    flash_rate, dense_rate = accepted / drafted, dense_accepted / max(dense_drafted, 1)
-    print(
-        f"\n{method} (a random head over the target's LM head), greedy, {len(PROMPTS)} prompts, FlashHead "
-        f"verify: acceptance {flash_rate:.3f} ({accepted:.0f}/{drafted:.0f}) with the FlashHead drafter "
-        f"(draft_n_probes {DEFAULT_PROBES}), {dense_rate:.3f} ({dense_accepted:.0f}/{dense_drafted:.0f}) with the "
-        f"dense drafter (draft_n_probes {NUM_CLUSTERS}: every cluster)"
-    )
+    report_acceptance(f"{method} (a random head over the target's LM head)", (accepted, drafted), dense)
