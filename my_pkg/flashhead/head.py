@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .kernels import load_backend, resolve_backend, torch_ref
+from .layout import hidden_major
 from .probes import select_probes as top_probes
 from .staging import index_tensor
 from .tail_estimate import TailFactors, TailTables, build_tail_tables, default_tail_rank, top_k_ids
@@ -171,7 +172,8 @@ class FlashHead:
         c = centroids.shape[0]
         members = build_members(assignments, c, allow_empty=allow_empty_clusters)
         self.weight = weight
-        self.centroids = centroids.detach().to(weight.device, weight.dtype).contiguous()
+        # Hidden-major on CPU in float32, where stage 1 streams them faster (layout.py).
+        self.centroids = hidden_major(centroids.detach().to(weight.device, weight.dtype))
         self.members = members.to(weight.device)
         self.num_clusters = c
         self.cluster_size = members.shape[1]

@@ -27,6 +27,8 @@ import functools
 
 import torch
 
+from .layout import hidden_major
+
 __all__ = [
     "NO_KEY",
     "ShardStage1",
@@ -107,7 +109,7 @@ class ShardStage1:
         self.num_clusters = int(centroids.shape[0])
         self.start, self.end = centroid_share(self.num_clusters, rank, world_size)
         share = centroids[self.start : self.end].detach()
-        self.centroids = share.to(device=device or share.device, dtype=dtype or share.dtype).contiguous()
+        self.centroids = hidden_major(share.to(device=device or share.device, dtype=dtype or share.dtype))
         ids = torch.arange(self.start, self.end, dtype=torch.int64, device=self.centroids.device)
         #: This share's clusters ranked below every scored cluster (see :meth:`unscored_keys`).
         self._unscored = NO_KEY + (_LOW - 1 - ids)

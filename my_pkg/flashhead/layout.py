@@ -1,0 +1,30 @@
+"""How stage 1's centroids are stored: hidden-major on CPU in float32.
+
+Stage 1 multiplies a decode step's few hidden rows by the ``[C, H]`` centroids (``F.linear``).  At one
+or two rows that streams the whole matrix once per step, and on CPU in float32 torch streamed it
+faster when the centroids are stored hidden-major (the transposed view of a contiguous ``[H, C]``):
+0.56–0.90 of the row-major time at one row on the 2-core CPU of ``docs/benchmarks.md``, and as fast or
+faster at larger batches but for one shape at 8 rows (16,384 x 640: up to 1.17).  ``F.linear`` takes
+either layout; only the stored one changes, not the values.  bfloat16 and the GPU keep row-major
+centroids (the CPU's bfloat16 kernel was faster row-major).  ``python -m bench.centroid_layout``
+measures both on the machine at hand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["hidden_major", "prefers_hidden_major"]
+
+
+def prefers_hidden_major(matrix: torch.Tensor) -> bool:
+    """Whether stage 1 stores ``matrix`` hidden-major: on CPU in float32."""
+    return matrix.device.type == "cpu" and matrix.dtype == torch.float32
+
+
+def hidden_major(matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix`` ``[N, K]`` with the same values, stored hidden-major (a transposed view of a contiguous
+    ``[K, N]``) where :func:`prefers_hidden_major`, else contiguous.  Returned as is when already so stored."""
+    if not prefers_hidden_major(matrix):
+        return matrix.contiguous()
+    return matrix if matrix.t().is_contiguous() else matrix.t().contiguous().t()
