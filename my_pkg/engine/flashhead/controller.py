@@ -43,7 +43,7 @@ from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.spec import effective as effective_spec
 from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer
 from my_pkg.flashhead.probes import NO_KEY, ShardStage1, merge_probes
-from my_pkg.flashhead.settings import default_settings
+from my_pkg.flashhead.settings import default_settings, machine_dense_batch_threshold
 from my_pkg.flashhead.staging import index_tensor
 from my_pkg.flashhead.tail_estimate import TailFactors
 
@@ -228,12 +228,30 @@ class FlashHeadController:
         finally:
             self._centroids = self._assignments = None
         if self.head is not None:
+            self._apply_machine_threshold(weight)
             logger.info(
                 "my_pkg: FlashHead active: %d clusters of %d, n_probes=%d, backend=%s",
                 self.head.num_clusters,
                 self.head.cluster_size,
                 self.head.n_probes,
                 self.head.backend,
+            )
+
+    def _apply_machine_threshold(self, weight: torch.Tensor) -> None:
+        """With no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`, steps above the machine's threshold go dense: a
+        bfloat16 head on a CPU with native bf16 products (`machine_dense_batch_threshold`). Under tensor
+        parallelism each rank decides for its shard; the stage-1 exchange does not depend on it
+        (`exchange_width`), so no rank waits on another."""
+        if not self.settings.dense_batch_threshold_from_machine or self.settings.dense_batch_threshold is not None:
+            return
+        threshold = machine_dense_batch_threshold(weight)
+        if threshold is not None:
+            self.settings.dense_batch_threshold = threshold
+            logger.info(
+                "my_pkg: bfloat16 head on a CPU with native bf16 matrix products: decode steps of more than %d "
+                "rows use the dense head, faster there (MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD=never: FlashHead "
+                "at every batch)",
+                threshold,
             )
 
     def warm_up(self, hidden: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import torch
 from my_pkg.contract import FlashHeadState, FlashHeadUpdate
 from my_pkg.engine.flashhead import FlashHeadController, status_without_controller
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows
+from my_pkg.flashhead import settings
 
 VOCAB, HIDDEN, CAP = 512, 32, 16
 CLUSTERS = VOCAB // CAP
@@ -470,3 +471,58 @@ def test_the_status_says_which_estimate_sampled_rows_get(weight, tmp_path):
     plain = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": 4}, vocab_size=VOCAB)
     plain.bind(weight)
     assert plain.status().sampled_estimate == "weight_only"
+
+
+def _bf16_controller(weight: torch.Tensor) -> FlashHeadController:
+    assignments = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0)) % CLUSTERS
+    centroids = torch.stack([weight[:VOCAB][assignments == c].float().mean(0) for c in range(CLUSTERS)])
+    ctl = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": 4}, vocab_size=VOCAB)
+    ctl.bind(weight)
+    return ctl
+
+
+@pytest.mark.parametrize(
+    ("env_value", "dtype", "native", "threshold"),
+    [
+        (None, torch.bfloat16, True, settings.NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD),  # the machine's default
+        (None, torch.bfloat16, False, None),  # bf16 without native products: FlashHead at every batch
+        (None, torch.float32, True, None),  # float32: FlashHead at every batch
+        ("never", torch.bfloat16, True, None),  # the operator keeps FlashHead at every batch
+        ("NEVER", torch.bfloat16, True, None),
+        ("9", torch.bfloat16, True, 9),  # the operator's threshold wins
+    ],
+)
+def test_a_bfloat16_head_on_a_cpu_with_native_bf16_products_sends_large_steps_dense(
+    weight, monkeypatch, env_value, dtype, native, threshold
+):
+    if env_value is None:
+        monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
+    else:
+        monkeypatch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", env_value)
+    monkeypatch.setattr(settings, "_native_bf16_matmul", lambda: native)
+    ctl = _bf16_controller(weight.to(dtype))
+    assert ctl.head is not None
+    assert ctl.settings.dense_batch_threshold == threshold
+    assert ctl.status().dense_batch_threshold == threshold
+
+
+def test_steps_above_the_machine_threshold_are_served_dense(weight, monkeypatch):
+    monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
+    monkeypatch.setattr(settings, "_native_bf16_matmul", lambda: True)
+    weight = weight.to(torch.bfloat16)
+    ctl = _bf16_controller(weight)
+    limit = settings.NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD
+    dense = _dense(weight)
+    small = torch.randn(limit, HIDDEN, dtype=torch.bfloat16)
+    ctl.compute_logits(small, _rows([0] * limit), dense, lambda x: x)
+    assert ctl.counters.rows_flashhead == limit
+    large = torch.randn(limit + 1, HIDDEN, dtype=torch.bfloat16)
+    torch.testing.assert_close(ctl.compute_logits(large, _rows([0] * (limit + 1)), dense, lambda x: x), dense(large))
+    assert ctl.counters.rows_flashhead == limit and ctl.counters.rows_dense["batch_threshold"] == limit + 1
+    ctl.apply(FlashHeadUpdate(dense_batch_threshold=None))  # the admin API can lift it
+    ctl.compute_logits(large, _rows([0] * (limit + 1)), dense, lambda x: x)
+    assert ctl.counters.rows_flashhead == 2 * limit + 1
+
+
+def test_the_native_bf16_probe_answers_without_raising():
+    assert isinstance(settings._native_bf16_matmul(), bool)
