@@ -1,8 +1,10 @@
 """Shared helpers for the benchmarks: machine description, marker-delimited sections of
-``docs/benchmarks.md``, comma-separated integer arguments and a median wall-clock timer."""
+``docs/benchmarks.md``, comma-separated integer arguments, a median wall-clock timer and the timing
+options of the paired-round CPU benchmarks."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -12,7 +14,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["write_section", "machine_description", "int_list", "median_ms", "BENCHMARKS_MD"]
+__all__ = [
+    "write_section",
+    "machine_description",
+    "int_list",
+    "median_ms",
+    "add_timing_options",
+    "start_timing",
+    "BENCHMARKS_MD",
+]
 
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -96,3 +106,20 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def add_timing_options(parser: argparse.ArgumentParser) -> None:
+    """``--threads``, ``--repeats`` (calls per measurement) and ``--rounds`` (paired rounds)."""
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's (every core)")
+    parser.add_argument("--repeats", type=int, default=7, help="calls per measurement (median)")
+    parser.add_argument("--rounds", type=int, default=5)
+
+
+def start_timing(args: argparse.Namespace) -> None:
+    """Sets torch's threads from ``--threads`` and prints the machine and how the benchmark was run."""
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(machine_description())
+    print(f"Command: `{command_line()}`; {torch.get_num_threads()} threads", flush=True)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bench._report import command_line, int_list, machine_description, median_ms
+from bench._report import add_timing_options, int_list, median_ms, start_timing
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 
@@ -120,14 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--batches", type=int_list, default=[1, 2, 8, 32])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--threads", type=int, default=None, help="default: torch's (every core)")
-    ap.add_argument("--repeats", type=int, default=7, help="calls per measurement (median)")
-    ap.add_argument("--rounds", type=int, default=5)
+    add_timing_options(ap)
     args = ap.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    print(machine_description())
-    print(f"Command: `{command_line()}`; {torch.get_num_threads()} threads", flush=True)
+    start_timing(args)
     for vocab, hidden_size in args.shapes:
         run_shape(vocab, hidden_size, args)
     return 0

@@ -24,7 +24,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from bench._report import command_line, int_list, machine_description, median_ms
+from bench._report import add_timing_options, int_list, median_ms, start_timing
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.kernels import torch_ref
@@ -82,14 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--batches", type=int_list, default=[1, 2, 4])
-    ap.add_argument("--threads", type=int, default=None, help="default: torch's (every core)")
-    ap.add_argument("--repeats", type=int, default=7, help="calls per measurement (median)")
-    ap.add_argument("--rounds", type=int, default=5)
+    add_timing_options(ap)
     args = ap.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    print(machine_description())
-    print(f"Command: `{command_line()}`; {torch.get_num_threads()} threads", flush=True)
+    start_timing(args)
     run(args)
     return 0
 
