@@ -24,7 +24,11 @@ def prefers_hidden_major(matrix: torch.Tensor) -> bool:
 
 def hidden_major(matrix: torch.Tensor) -> torch.Tensor:
     """``matrix`` ``[N, K]`` with the same values, stored hidden-major (a transposed view of a contiguous
-    ``[K, N]``) where :func:`prefers_hidden_major`, else contiguous.  Returned as is when already so stored."""
+    ``[K, N]``) where :func:`prefers_hidden_major`, else contiguous.  Returned as is when already stored
+    hidden-major, a slice of rows of such a matrix included (a tensor-parallel share of the centroids stays a
+    view of them)."""
     if not prefers_hidden_major(matrix):
         return matrix.contiguous()
-    return matrix if matrix.t().is_contiguous() else matrix.t().contiguous().t()
+    if matrix.stride(0) == 1 and matrix.stride(1) >= matrix.shape[0]:
+        return matrix
+    return matrix.t().contiguous().t()

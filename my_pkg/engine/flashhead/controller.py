@@ -42,6 +42,7 @@ from my_pkg.engine.flashhead.pins import PinnedRows
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.spec import effective as effective_spec
 from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer
+from my_pkg.flashhead.layout import hidden_major
 from my_pkg.flashhead.probes import NO_KEY, ShardStage1, merge_probes
 from my_pkg.flashhead.settings import default_settings, machine_dense_batch_threshold
 from my_pkg.flashhead.staging import index_tensor
@@ -206,7 +207,8 @@ class FlashHeadController:
                 raise ValueError(
                     f"centroids have hidden size {self._centroids.shape[1]}, the head has {weight.shape[1]}"
                 )
-            centroids = self._centroids.to(device=weight.device, dtype=weight.dtype).contiguous()
+            # One copy in stage 1's layout, shared by the head and this rank's share (`layout.py`).
+            centroids = hidden_major(self._centroids.to(device=weight.device, dtype=weight.dtype))
             if shard is not None:  # first, so that this rank still scores its share if the head fails below
                 self.stage1 = ShardStage1(centroids, *shard)
             self.head = FlashHead(

@@ -149,6 +149,10 @@ def test_the_head_is_built_on_the_first_logits_call_over_each_rank_shard(group, 
     assert [p._my_pkg_flashhead.vocab_range for p, _, _ in ranks] == [(0, SHARD), (SHARD, VOCAB)]
     shares = [(p._my_pkg_flashhead.stage1.start, p._my_pkg_flashhead.stage1.end) for p, _, _ in ranks]
     assert shares == [(0, CLUSTERS // 2), (CLUSTERS // 2, CLUSTERS)]
+    for processor, _, _ in ranks:  # the share is a view of the head's centroids, not a second copy
+        controller = processor._my_pkg_flashhead
+        storage = controller.head.centroids.untyped_storage().data_ptr()
+        assert controller.stage1.centroids.untyped_storage().data_ptr() == storage
     assert group.calls == {}  # no exchange outside decode steps
 
 

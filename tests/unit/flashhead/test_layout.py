@@ -48,3 +48,12 @@ def test_a_tensor_parallel_share_scores_hidden_major_centroids():
     assert shard.centroids.t().is_contiguous()
     assert torch.equal(shard.centroids, centroids[shard.start : shard.end])
     assert shard.nbytes == shard.centroids.numel() * 4 + shard.centroids.shape[0] * 8
+
+
+def test_a_share_of_hidden_major_centroids_is_a_view_of_them():
+    centroids = hidden_major(_matrix())
+    shard = ShardStage1(centroids, 1, 2)
+    assert shard.centroids.untyped_storage().data_ptr() == centroids.untyped_storage().data_ptr()
+    hidden = torch.randn(3, 37, generator=torch.Generator().manual_seed(2))
+    scores = torch.nn.functional.linear(hidden, shard.centroids)
+    torch.testing.assert_close(scores, hidden @ centroids[shard.start : shard.end].t(), rtol=1e-6, atol=1e-6)
