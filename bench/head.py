@@ -184,8 +184,7 @@ def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, m
         "",
     ]
     for r in results:
-        kinds = list(r["rows"][0]["kinds"]) if r["rows"] else []
-        kinds += [k for x in r["rows"] for k in x["kinds"] if k not in kinds]
+        kinds = list(dict.fromkeys(k for x in r["rows"] for k in x["kinds"]))  # each kind once, first seen first
         out.append(
             f"**V = {r['vocab']:,}, H = {r['hidden']:,}** ({r['clusters']:,} clusters of 16, {r['probes']} "
             f"probes; sampled rows {r['sampled_probes']} probes + rank-{r['rank']} estimate; {r['pinned']} "
