@@ -3,8 +3,8 @@
 Stage 1 multiplies a decode step's few hidden rows by the ``[C, H]`` centroids (``F.linear``).  At one
 or two rows that streams the whole matrix once per step, and on CPU in float32 torch streamed it
 faster when the centroids are stored hidden-major (the transposed view of a contiguous ``[H, C]``):
-0.56–0.90 of the row-major time at one row on the 2-core CPU of ``docs/benchmarks.md``, and as fast or
-faster at larger batches but for one shape at 8 rows (16,384 x 640: up to 1.17).  ``F.linear`` takes
+0.52–0.90 of the row-major time at one row on the 2-core CPU of ``docs/benchmarks.md`` (8,016 x 2,048
+and 16,384 x 640 centroids, one and two threads), and within 0.88–1.17 of it from 8 rows on.  ``F.linear`` takes
 either layout; only the stored one changes, not the values.  bfloat16 and the GPU keep row-major
 centroids (the CPU's bfloat16 kernel was faster row-major).  ``python -m bench.centroid_layout``
 measures both on the machine at hand.
