@@ -18,6 +18,7 @@ __all__ = [
     "write_section",
     "machine_description",
     "int_list",
+    "shape_list",
     "median_ms",
     "add_timing_options",
     "start_timing",
@@ -96,6 +97,15 @@ def command_line() -> str:
 def int_list(text: str) -> list[int]:
     """`"1,8,32"` as `[1, 8, 32]` (an argparse `type`)."""
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def shape_list(text: str) -> list[tuple[int, int]]:
+    """`"128256x2048,262144x640"` as `[(128256, 2048), (262144, 640)]`: (vocabulary, hidden) pairs (argparse `type`)."""
+    out = []
+    for item in text.split(","):
+        vocab, _, hidden = item.strip().lower().partition("x")
+        out.append((int(vocab), int(hidden)))
+    return out
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:

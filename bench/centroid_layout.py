@@ -28,16 +28,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bench._report import add_timing_options, int_list, median_ms, start_timing
+from bench._report import add_timing_options, int_list, median_ms, shape_list, start_timing
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 
 LAYOUTS = ("row-major", "hidden-major")
-
-
-def _shape(text: str) -> tuple[int, int]:
-    vocab, hidden = (int(part) for part in text.lower().split("x"))
-    return vocab, hidden
 
 
 def _paired(calls: dict[str, Callable[[], object]], rounds: int, repeats: int) -> dict[str, float]:
@@ -115,9 +110,7 @@ def run_shape(vocab: int, hidden_size: int, args: argparse.Namespace) -> list[di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--shapes", type=lambda t: [_shape(s) for s in t.split(",")], default=[(128256, 2048), (262144, 640)]
-    )
+    ap.add_argument("--shapes", type=shape_list, default=[(128256, 2048), (262144, 640)])
     ap.add_argument("--batches", type=int_list, default=[1, 2, 8, 32])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_timing_options(ap)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from bench._report import int_list
+from bench._report import int_list, shape_list
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.kernels import torch_ref, triton_available
 
@@ -392,15 +392,6 @@ def run_timing(
 # ---- command line ------------------------------------------------------------------------------
 
 
-def _shapes(text: str) -> list[tuple[int, int]]:
-    """``VOCABxHIDDEN,...``."""
-    out = []
-    for item in text.split(","):
-        vocab, _, hidden = item.strip().lower().partition("x")
-        out.append((int(vocab), int(hidden)))
-    return out
-
-
 def environment(device: torch.device) -> dict[str, Any]:
     import triton
 
@@ -428,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-timing", action="store_true", help="correctness only")
     ap.add_argument(
         "--timing-shapes",
-        type=_shapes,
+        type=shape_list,
         default=list(TIMING_SHAPES),
         metavar="VxH,...",
         help="heads to time (default: 128256x2048,128256x4096,151936x896)",

@@ -16,3 +16,7 @@ def test_both_layouts_are_timed_for_stage_1_and_each_kind_of_step():
             f"{part} {layout}" for part in ("stage 1", "greedy", "sampled") for layout in centroid_layout.LAYOUTS
         ]
         assert all(row[name] > 0 for name in names)
+
+
+def test_shapes_are_read_as_vocabulary_by_hidden_pairs():
+    assert centroid_layout.shape_list("128256x2048, 262144X640") == [(128256, 2048), (262144, 640)]
