@@ -1,6 +1,6 @@
 """Shared helpers for the benchmarks: machine description, marker-delimited sections of
-``docs/benchmarks.md``, comma-separated integer arguments, a median wall-clock timer and the timing
-options of the paired-round CPU benchmarks."""
+``docs/benchmarks.md``, comma-separated integer arguments, a median wall-clock timer, the timing
+options of the paired-round CPU benchmarks, and the sampled-row estimate a default build writes."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ __all__ = [
     "median_ms",
     "add_timing_options",
     "start_timing",
+    "fitted_tail_factors",
     "BENCHMARKS_MD",
 ]
 
@@ -133,3 +134,17 @@ def start_timing(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     print(machine_description())
     print(f"Command: `{command_line()}`; {torch.get_num_threads()} threads", flush=True)
+
+
+def fitted_tail_factors(weight, vocab_size: int, *, states: int = 512, seed: int = 0):
+    """The sampled rows' estimate a default build writes (fitted to calibration states, here random ones:
+    the estimate's cost does not depend on them, only which tokens it ranks best), so that a benchmark head
+    serves sampled rows as a default build's does (the fitted estimate's exact-token count, not the
+    weight-only one's)."""
+    import torch
+
+    from my_pkg.flashhead.tail_estimate import default_tail_rank, fit_tail_factors
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(states, weight.shape[1], generator=generator).to(weight.device)
+    return fit_tail_factors(weight.float(), vocab_size, default_tail_rank(weight.shape[1]), hidden, seed=seed)

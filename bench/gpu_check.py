@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 
-from bench._report import int_list, shape_list
+from bench._report import fitted_tail_factors, int_list, shape_list
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.kernels import torch_ref, triton_available
+from my_pkg.flashhead.tail_estimate import TailFactors
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_CUDA = 0, 1, 2
 CLUSTER_SIZE = 16
@@ -140,9 +141,15 @@ class RandomHead:
         """The head in float32, the reference's precision (made on first use: up to 2.5 GB)."""
         return self.weight.float()
 
-    def flashhead(self, backend: str, n_probes: int) -> FlashHead:
+    def flashhead(self, backend: str, n_probes: int, tail_factors: TailFactors | None = None) -> FlashHead:
         return FlashHead(
-            self.weight, self.centroids, self.assignments, vocab_size=self.vocab, n_probes=n_probes, backend=backend
+            self.weight,
+            self.centroids,
+            self.assignments,
+            vocab_size=self.vocab,
+            n_probes=n_probes,
+            backend=backend,
+            tail_factors=tail_factors,
         )
 
 
@@ -341,13 +348,14 @@ def run_timing(
         head = RandomHead.make(vocab, hidden, dtype, device, seed=0)
         num_clusters = head.centroids.shape[0]
         n_probes = default_n_probes(num_clusters)
-        flash = head.flashhead("triton", n_probes)
+        flash = head.flashhead("triton", n_probes, fitted_tail_factors(head.weight, vocab))  # as a default build
         dense_weight = head.weight[:vocab]
         pins = torch.arange(vocab - PINNED, vocab, device=device)
         flash.step_logits(torch.zeros(1, hidden, device=device, dtype=dtype), sampled=sampled_mask("sampled", 1))
         print(
             f"\nV={vocab:,} H={hidden:,} {DTYPE_NAMES[dtype]}: {num_clusters:,} clusters, {n_probes} probes; sampled "
-            f"rows {flash.sampled_n_probes} probes + rank-{flash.sampled_rank} estimate; {PINNED} pinned ids"
+            f"rows {flash.sampled_n_probes} probes + rank-{flash.sampled_rank} estimate + {flash.sampled_rescore:,} "
+            f"best-estimated tokens; {PINNED} pinned ids"
         )
         print("batch | dense ms | " + " | ".join(f"{k} ms | vs dense" for k in kinds) + " | stage 1 ms")
         rows = []
@@ -380,6 +388,7 @@ def run_timing(
                 "probes": n_probes,
                 "sampled_probes": flash.sampled_n_probes,
                 "rank": flash.sampled_rank,
+                "rescore": flash.sampled_rescore,
                 "pinned": PINNED,
                 "rows": rows,
             }

@@ -30,7 +30,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from bench._report import command_line, int_list, machine_description, write_section
+from bench._report import command_line, fitted_tail_factors, int_list, machine_description, write_section
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 
@@ -95,7 +95,14 @@ def bench_shape(
     assign = random_balanced_assignment(vocab, 16)
     c = int(assign.max()) + 1
     p = min(n_probes or default_n_probes(c), c)
-    head = FlashHead(weight, torch.randn(c, hidden, generator=g), assign, n_probes=p, backend=backend)
+    head = FlashHead(
+        weight,
+        torch.randn(c, hidden, generator=g),
+        assign,
+        n_probes=p,
+        backend=backend,
+        tail_factors=fitted_tail_factors(weight, vocab) if "sampled" in kinds or "mixed" in kinds else None,
+    )
     pins = torch.arange(vocab - pinned, vocab, device=device)  # e.g. the special tokens at the vocabulary's end
     t0 = time.perf_counter()
     if "sampled" in kinds or "mixed" in kinds:
@@ -150,6 +157,8 @@ def bench_shape(
         "clock": clock,
         "sampled_probes": head.sampled_n_probes,
         "rank": head.sampled_rank,
+        "rescore": head.sampled_rescore,
+        "estimate": "fitted" if head.tail_fitted else "weight-only",
         "tables_s": tables_s,
         "extra_bytes": head.extra_memory_bytes,
         "rows_greedy": head.scored_rows_per_step(sampled=False, pinned=pinned),
@@ -157,6 +166,13 @@ def bench_shape(
     }
     del weight, head
     return result
+
+
+def sampled_rows_text(r: dict) -> str:
+    """What a sampled row of the run scores: its clusters (if any), the estimate, its best-estimated tokens."""
+    clusters = f"{r['sampled_probes']} probes + " if r["sampled_probes"] else "no stage 1, "
+    estimate = f"rank-{r['rank']} {r.get('estimate', '')} estimate"
+    return f"{clusters}{estimate} + {r.get('rescore', 0):,} best-estimated tokens"
 
 
 def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, machine: str | None = None) -> str:
@@ -176,8 +192,9 @@ def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, m
             else ""
         )
         + "). Dense = `F.linear(hidden, "
-        "W[:V])`; FlashHead = `FlashHead.step_logits` as serving calls it: greedy rows, sampled rows (exact "
-        "candidates + tail estimate) or a mixed batch (every other row sampled), pinned ids scored on every row. "
+        "W[:V])`; FlashHead = `FlashHead.step_logits` as serving calls it: greedy rows, sampled rows (the "
+        "estimate a default build fits, its best tokens exact) or a mixed batch (every other row sampled), "
+        "pinned ids scored on every row. "
         "Random heads with a random balanced assignment (the cost does not depend on cluster quality). "
         f"Each batch: {rounds} paired rounds (dense and every FlashHead kind back to back); speed-up = median "
         "over the rounds of dense / FlashHead, spread = lowest..highest round.",
@@ -187,8 +204,8 @@ def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, m
         kinds = list(dict.fromkeys(k for x in r["rows"] for k in x["kinds"]))  # each kind once, first seen first
         out.append(
             f"**V = {r['vocab']:,}, H = {r['hidden']:,}** ({r['clusters']:,} clusters of 16, {r['probes']} "
-            f"probes; sampled rows {r['sampled_probes']} probes + rank-{r['rank']} estimate; {r['pinned']} "
-            f"pinned ids; rows scored per row: greedy {r['rows_greedy']:,}, sampled {r['rows_sampled']:,} "
+            f"probes; sampled rows: {sampled_rows_text(r)}; {r['pinned']} pinned ids; rows scored per row: "
+            f"greedy {r['rows_greedy']:,}, sampled {r['rows_sampled']:,} "
             f"of {r['vocab']:,}; backend {r['backend']}; extra memory {r['extra_bytes'] / 2**20:.1f} MiB; "
             f"estimate tables built once in {r['tables_s']:.1f} s)"
         )

@@ -10,19 +10,22 @@ and maximum over the held-out states, with the scored fraction of a sampled row.
 * clusters drawn in proportion to the softmax of the centroid scores (the design before; its
   expectation estimated from ``--draws`` draws per state), ``-inf`` elsewhere;
 * the top ``n_probes`` clusters, ``-inf`` elsewhere (what greedy rows get);
-* serving's sampled rows (``FlashHead.step_logits``) at the defaults and at other probe counts / ranks
-  (``--variants P:R[:K],...`` adds more: probes, estimate rank, rescored tail tokens (default: the
-  head's); ``P`` may be ``n`` for the greedy rows' ``n_probes``).
+* serving's sampled rows (``FlashHead.step_logits``) at the defaults (no cluster probed: the estimate
+  chooses the exact tokens), with twice the exact tokens, twice the rank, and the greedy rows' clusters
+  probed too (``--variants P:R[:K],...`` adds more: probes (0: none), estimate rank, rescored tail tokens
+  (default: the head's); ``P`` may be ``n`` for the greedy rows' ``n_probes``).
 
 With ``--shifted`` it instead measures sampled rows on text the build never saw, as the default build
 serves them: the fixture's head clustered, its stage 1 calibrated on the model's own samples and on each
 source's calibration states (``calibrate_stage1``, as ``build`` does), each with the weight-only tail
-estimate and with the one fitted to the same calibration states; TV on the held-out states of every other
-source (mean / p90 / max).
+estimate and with the one fitted to the same calibration states; for the default build also lower ranks,
+the sampled rows of the design before (the greedy rows' clusters probed, ``V / 32`` rescored) and as many
+exact tokens chosen by the estimate alone; TV on the held-out states of every other source (mean / p90 / max).
 
 With ``--speed VxH`` it instead times one decode step at batch 1 on a random head of that shape
-(random balanced clusters, builder-default ``n_probes``): the dense logits, a greedy row and a
-sampled row of ``FlashHead.step_logits``, and the one-time build of the sampled rows' tables.
+(random balanced clusters, builder-default ``n_probes``, the estimate fitted as a default build fits it):
+the dense logits, a greedy row and a sampled row of ``FlashHead.step_logits``, and the one-time build of the
+sampled rows' tables.
 
     python -m bench.sampling_fidelity                       # the committed fixture, every held-out state
     python -m bench.sampling_fidelity --rows 1024 --draws 8
@@ -44,7 +47,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from bench._report import command_line, machine_description, median_ms
+from bench._report import command_line, fitted_tail_factors, machine_description, median_ms
 from my_pkg.cli import main as cli
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.assets import load_assets, read_config
@@ -102,7 +105,11 @@ def speed(vocab: int, hidden: int, rounds: int = 5) -> None:
     assignments = random_balanced_assignment(vocab, 16)
     clusters = int(assignments.max()) + 1
     head = FlashHead(
-        weight, torch.randn(clusters, hidden, generator=generator), assignments, n_probes=default_n_probes(clusters)
+        weight,
+        torch.randn(clusters, hidden, generator=generator),
+        assignments,
+        n_probes=default_n_probes(clusters),
+        tail_factors=fitted_tail_factors(weight, vocab),  # as a default build
     )
     h = torch.randn(1, hidden, generator=generator)
     pins, sampled = torch.tensor([0, 1, 2]), np.ones(1, bool)
@@ -111,7 +118,8 @@ def speed(vocab: int, hidden: int, rounds: int = 5) -> None:
     build = time.perf_counter() - t0
     print(
         f"{vocab:,} x {hidden:,}: {clusters:,} clusters, n_probes {head.n_probes}, sampled rows "
-        f"{head.sampled_n_probes} probes and rank {head.sampled_rank}; tables built in {build:.2f} s"
+        f"{head.sampled_n_probes} probes, rank {head.sampled_rank} and {head.sampled_rescore:,} best-estimated tokens; "
+        f"tables built in {build:.2f} s"
     )
     steps = {
         "dense logits": lambda: torch.nn.functional.linear(h, weight),
@@ -137,9 +145,11 @@ def shifted(fx: TrainedFixture, rows: int) -> None:
     """Sampled rows' TV on shifted text, weight-only vs fitted tail estimate (see the module docstring)."""
     from my_pkg.flashhead.calibration import calibrate_stage1
     from my_pkg.flashhead.clustering import balanced_kmeans
+    from my_pkg.flashhead.head import default_sampled_rescore
     from my_pkg.flashhead.tail_estimate import default_tail_rank, fit_tail_factors
 
-    res = balanced_kmeans(fx.weight, 16, iterations=20, seed=0, progress=False)
+    cluster_size = 16
+    res = balanced_kmeans(fx.weight, cluster_size, iterations=20, seed=0, progress=False)
     pinned = sorted({fx.eos_id, *fx.special_ids.values()})
     vocab, hidden_size = fx.weight.shape
     settings = " | ".join(f"TV T={t:g} top_p={p:g}" for t, p in SAMPLING_SETTINGS)
@@ -149,19 +159,41 @@ def shifted(fx: TrainedFixture, rows: int) -> None:
     for build, states in builds.items():
         cal = calibrate_stage1(fx.weight, res.assignments, res.centroids, states, pinned_ids=pinned, seed=0)
         factors = fit_tail_factors(fx.weight, vocab, default_tail_rank(hidden_size), states)
-        variants = [("weight-only", None, factors.rank), ("fitted to the calibration states", factors, factors.rank)]
-        if build == "model samples":  # the default build: what a lower rank buys
-            variants += [(f"fitted, rank {r}", factors, r) for r in (factors.rank // 2, factors.rank // 4)]
-        for estimate, fitted, rank in variants:
+        # (estimate, fitted factors, rank, sampled_n_probes, sampled_rescore); None: the head's default
+        variants = [
+            ("weight-only", None, factors.rank, None, None),
+            ("fitted to the calibration states", factors, factors.rank, None, None),
+        ]
+        if build == "model samples":  # the default build: a lower rank, and the design before
+            variants += [(f"fitted, rank {r}", factors, r, None, None) for r in (factors.rank // 2, factors.rank // 4)]
+            before, exact_members = default_sampled_rescore(vocab), cal.n_probes * cluster_size
+            rank = factors.rank
+            variants += [
+                (f"fitted; greedy rows' clusters + {before} rescored (before)", factors, rank, cal.n_probes, before),
+                ("fitted; as many exact tokens, all best-estimated", factors, rank, 0, before + exact_members),
+            ]
+        for estimate, fitted, rank, probes, rescore in variants:
             head = FlashHead(
-                fx.weight, cal.centroids, res.assignments, n_probes=cal.n_probes, sampled_rank=rank, tail_factors=fitted
+                fx.weight,
+                cal.centroids,
+                res.assignments,
+                n_probes=cal.n_probes,
+                sampled_rank=rank,
+                tail_factors=fitted,
+                sampled_n_probes=probes,
             )
+            head.sampled_rescore = rescore
             for source in ("docstrings", "code"):
                 if source != build:
                     (result,) = serving_fidelity(head, fx.source(source)[1][:rows], [cal.n_probes], pinned=pinned)
                     name = f"{build} ({cal.n_probes} probes)"
                     fraction = result.sampling[0].scored_fraction
                     print(_row(f"{name} | {estimate} | {source}", fraction, result.sampling), flush=True)
+
+
+def _variant_label(probes: int, rank: int, rescore: int) -> str:
+    clusters = f"top {probes} clusters and " if probes else "no cluster, "
+    return f"{clusters}the {rescore} best-estimated tokens exact, rank-{rank} estimate elsewhere"
 
 
 def _row(name: str, fraction: float, tv: list) -> str:
@@ -231,29 +263,27 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
-        variants = [
-            (n_probes, 0, 0, f"top {n_probes} clusters, −inf elsewhere (as greedy rows)"),
-            (default_probes, 0, 0, f"top {default_probes} clusters, −inf elsewhere"),
-        ]
+        variants = [(n_probes, 0, 0, f"top {n_probes} clusters, −inf elsewhere (as greedy rows)")]
         variants += [
             (
                 p,
                 r,
-                default_rescore,
-                f"top {p} clusters, rank-{r} estimate elsewhere, {default_rescore} rescored"
-                + (" **(default)**" if (p, r) == (default_probes, default_rank) else ""),
+                k,
+                _variant_label(p, r, k)
+                + (" **(default)**" if (p, r, k) == (default_probes, default_rank, default_rescore) else ""),
             )
-            for p, r in (
-                (default_probes, default_rank),
-                (default_probes, 2 * default_rank),
-                (2 * default_probes, default_rank),
+            for p, r, k in (
+                (default_probes, default_rank, default_rescore),
+                (default_probes, default_rank, 2 * default_rescore),
+                (default_probes, 2 * default_rank, default_rescore),
+                (n_probes, default_rank, default_rescore),
             )
         ]
         for item in filter(None, args.variants.split(",")):
             probes_text, rank_text, *rest = item.split(":")
-            probes = n_probes if probes_text == "n" else min(int(probes_text), head.num_clusters)
+            probes = n_probes if probes_text == "n" else min(int(probes_text), head.num_clusters)  # 0: no stage 1
             rescore = int(rest[0]) if rest else default_rescore
-            label = f"top {probes} clusters, rank-{rank_text} estimate elsewhere, {rescore} rescored"
+            label = _variant_label(probes, int(rank_text), rescore)
             variants.append((probes, int(rank_text), rescore, label))
         for probes, rank, rescore, label in variants:
             head.sampled_n_probes, head.sampled_rank, head.sampled_rescore = probes, rank, rescore

@@ -366,6 +366,11 @@ class FlashHeadState(WorkerReply):
     probe_sampling: bool | None = None
     sampled_n_probes: int | None = None
     sampled_rank: int | None = None
+    sampled_rescore: int | None = Field(
+        default=None,
+        description="Tokens a sampled row scores exactly besides its probed clusters' members: those its "
+        "estimate ranks best; null while no head is built or without probe sampling.",
+    )
     sampled_estimate: SampledEstimate | None = Field(
         default=None,
         description="Sampled rows' estimate of the unprobed logits: `fitted` to the build's calibration states, "

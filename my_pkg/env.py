@@ -135,7 +135,7 @@ VARIABLES: dict[str, EnvVar] = {
             integer_or("never", 0),
             "decode steps with more rows use the dense head; `never`: none do",
             _ENGINE,
-            default_doc="unset: never, but `4` for a bfloat16 head on a CPU with native bf16 matrix products",
+            default_doc="unset: never, but `8` for a bfloat16 head on a CPU with native bf16 matrix products",
         ),
         EnvVar(
             "MY_PKG_FLASHHEAD_PROBE_SAMPLING",
@@ -147,10 +147,10 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "MY_PKG_FLASHHEAD_SAMPLED_N_PROBES",
             None,
-            integer(1),
-            "clusters scored exactly for a sampled row",
+            integer(0),
+            "clusters scored exactly for a sampled row (0: none, its estimate chooses its exact tokens)",
             _ENGINE,
-            default_doc="follows `n_probes`",
+            default_doc="0 (`n_probes` when the sampled rows' rank is 0 or `n_probes` is every cluster)",
         ),
         EnvVar(
             "MY_PKG_FLASHHEAD_SAMPLED_RANK",

@@ -322,6 +322,7 @@ class ServingFidelity:
     stop_token_recall: float | None
     sampled_n_probes: int
     sampling: list[SamplingFidelity] = field(default_factory=list)
+    sampled_rescore: int = 0  # the best-estimated tokens a sampled row scores exactly
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -390,7 +391,8 @@ def serving_fidelity(
     The reference is the dense head in float32 (``postprocess`` applied); FlashHead runs in the
     head's dtype with ``pinned`` ids scored on every row.  A greedy pick is the best exactly
     scored token in the reference's arithmetic (ties agree, as in :func:`evaluate`).  Sampled
-    rows use the head's ``sampled_n_probes`` for each ``n_probes`` (its default follows it).
+    rows use the head's ``sampled_n_probes`` (by default none below every cluster: their estimate
+    chooses their exact tokens, so their figures do not change with ``n_probes`` until it is ``C``).
     Restores the head's ``n_probes`` afterwards.
     """
     post = postprocess if postprocess is not None else (lambda x: x)
@@ -440,6 +442,7 @@ def serving_fidelity(
                     top5_agreement=top5 / (5 * n),
                     stop_token_recall=stop_hits / stop_rows if stop_rows else None,
                     sampled_n_probes=head.sampled_n_probes,
+                    sampled_rescore=head.sampled_rescore,
                     sampling=[
                         _sampling_fidelity(t, tp, torch.cat(tv[i]), sampled_fraction)
                         for i, (t, tp) in enumerate(settings)
@@ -462,8 +465,8 @@ def format_fidelity_table(results: list[ServingFidelity]) -> str:
     """Markdown table of :func:`serving_fidelity` results."""
     settings = [(x.temperature, x.top_p) for x in results[0].sampling] if results else []
     head = (
-        "| n_probes | scored (greedy) | top-1 agree | top-5 scored | stop recall | sampled rows: probes | "
-        "scored (sampled) |"
+        "| n_probes | scored (greedy) | top-1 agree | top-5 scored | stop recall | sampled rows: probes + exact "
+        "tokens | scored (sampled) |"
     )
     head += "".join(f" TV T={t:g} top_p={tp:g} |" for t, tp in settings)
     lines = [head, "|---:" * (7 + len(settings)) + "|"]
@@ -478,6 +481,6 @@ def format_fidelity_table(results: list[ServingFidelity]) -> str:
         )
         lines.append(
             f"| {r.n_probes} | {r.scored_fraction:.1%} | {r.top1_agreement:.2%} | {r.top5_agreement:.2%} | "
-            f"{stop} | {r.sampled_n_probes} | {sampled} |{tvs}"
+            f"{stop} | {r.sampled_n_probes} + {r.sampled_rescore:,} | {sampled} |{tvs}"
         )
     return "\n".join(lines)

@@ -9,13 +9,14 @@ probed clusters, reading them from the original head weight through the cluster 
 
 * greedy rows: exact logits of the top ``n_probes`` clusters' members, ``-inf`` elsewhere (the
   argmax is the best candidate, the smallest id on ties);
-* sampled rows: exact logits of the top ``sampled_n_probes`` clusters' members, and every other
-  token an *estimated* logit from a rank-``r`` approximation of the head
+* sampled rows: every token an *estimated* logit from a rank-``r`` approximation of the head
   (:mod:`~my_pkg.flashhead.tail_estimate`), except the ``sampled_rescore`` tokens with the best
-  estimates, which are scored exactly (the tail tokens most likely to matter).  The
-  sampler then sees an approximate full distribution: an unprobed cluster keeps about its share
-  of the probability mass instead of losing it, and the sampler's own temperature, top-k/top-p
-  and min-p apply to the whole row.  Nothing is random, so a seeded request reproduces;
+  estimates, which are scored exactly.  By default (``sampled_n_probes`` 0) the estimate alone
+  chooses those tokens and a sampled row skips stage 1; with ``sampled_n_probes`` > 0 the members of
+  that many top clusters are scored exactly too.  The sampler then sees an approximate full
+  distribution: the tokens outside the exact ones keep about their share of the probability mass
+  instead of losing it, and the sampler's own temperature, top-k/top-p and min-p apply to the whole
+  row.  Nothing is random, so a seeded request reproduces;
 * both: the ``pinned`` ids (EOS, special and stop tokens) are scored exactly on every row.
 
 A batch of several rows is scored cluster by cluster on CPU (each probed head row read once for
@@ -65,26 +66,40 @@ def rows_scored(
     hidden_size: int = 1,
     vocab_size: int = 0,
 ) -> int:
-    """Head rows scored for one row of a step: ``C`` centroids, ``P * cluster_size`` candidates and the
-    ``pinned`` ids; a rank-``rank`` tail estimate (sampled rows) adds its ``rank * (H + V)``
-    multiply-adds counted in rows of ``H``.  The one formula behind every "rows scored" figure."""
+    """Head rows scored for one row of a step: ``C`` centroids and ``P * cluster_size`` candidates (neither
+    when ``P`` is 0: no stage 1), and the ``pinned`` ids; a rank-``rank`` tail estimate (sampled rows) adds
+    its ``rank * (H + V)`` multiply-adds counted in rows of ``H``.  The one formula behind every "rows
+    scored" figure."""
     estimate = math.ceil(rank * (hidden_size + vocab_size) / hidden_size) if rank else 0
-    return num_clusters + n_probes * cluster_size + pinned + estimate
+    return (num_clusters if n_probes else 0) + n_probes * cluster_size + pinned + estimate
 
 
-def default_sampled_n_probes(n_probes: int, num_clusters: int) -> int:
-    """Clusters a sampled row probes when not set: the greedy rows' ``n_probes`` (at most ``C``), so a
-    mixed batch is one pass and a sampled row costs a greedy row plus its tail (the estimate and
-    :func:`default_sampled_rescore` exactly rescored tokens buy more fidelity per row than more clusters)."""
-    return max(1, min(num_clusters, n_probes))
+def default_sampled_n_probes(n_probes: int, num_clusters: int, sampled_rank: int) -> int:
+    """Clusters a sampled row probes when not set: none while the row has an estimate (``sampled_rank`` > 0),
+    which then chooses the row's exact tokens by itself, so the row skips stage 1; without an estimate, or
+    when greedy rows probe every cluster (every row then gets the dense logits), the greedy rows'
+    ``n_probes`` (at most ``C``).  On the trained fixture the estimate's best tokens, scored exactly, gave
+    a lower TV on shifted text than as many exact tokens split between probed clusters and rescored ones
+    (docs/flashhead.md, "Sampled rows on shifted text")."""
+    probes = max(1, min(num_clusters, n_probes))
+    return 0 if sampled_rank and probes < num_clusters else probes
 
 
-def default_sampled_rescore(vocab_size: int) -> int:
-    """Tokens outside a sampled row's candidates scored exactly when not set: ``ceil(V / 32)``, the
-    best-estimated ones (they carry most of the tail's mass; 4,008 for a 128k vocabulary, as many rows as
-    the default candidates).  On the trained fixture this met TV <= 0.01 at T=0.7/top_p=0.9 and <= 0.02
-    at T=1 with either stage 1, where V / 64 missed T=1 (docs/flashhead.md, "Sampling fidelity")."""
-    return math.ceil(vocab_size / 32)
+def resolve_sampled_n_probes(configured: int | None, n_probes: int, num_clusters: int, sampled_rank: int) -> int:
+    """The clusters a sampled row probes: ``configured``, but :func:`default_sampled_n_probes` when it is None,
+    or 0 without an estimate to choose the row's exact tokens (``sampled_rank`` 0)."""
+    if configured is None or (configured == 0 and not sampled_rank):
+        return default_sampled_n_probes(n_probes, num_clusters, sampled_rank)
+    return configured
+
+
+def default_sampled_rescore(vocab_size: int, *, fitted: bool = True) -> int:
+    """Tokens a sampled row scores exactly besides its candidates when not set: the best-estimated
+    ``ceil(V / 32)`` (4,008 for a 128k vocabulary), or ``ceil(V / 16)`` when the estimate is the weight-only
+    one (not ``fitted`` to calibration states), which ranks the tokens worse.  On the trained fixture both
+    met TV <= 0.01 at T=0.7/top_p=0.9 and <= 0.02 at T=1 on shifted text without any probed cluster, where
+    the weight-only estimate with ``V / 32`` missed T=1 (docs/flashhead.md, "Sampled rows on shifted text")."""
+    return math.ceil(vocab_size / (32 if fitted else 16))
 
 
 def build_members(
@@ -129,7 +144,9 @@ class FlashHead:
         vocab_size: vocabulary size ``V`` (default: ``len(assignments)``); ``V <= V'``.
         n_probes: clusters scored exactly per step, ``1..C``.
         sampled_n_probes: clusters scored exactly for a sampled row in :meth:`step_logits`
-            (``1..C``; default :func:`default_sampled_n_probes` of ``n_probes``, following it).
+            (``0..C``; default :func:`default_sampled_n_probes`: 0 while sampled rows have an
+            estimate, else following ``n_probes``).  0 needs the estimate: at ``sampled_rank`` 0 a
+            sampled row probes ``n_probes``.
         sampled_rank: rank of the head approximation that estimates a sampled row's unprobed
             logits (``0..H``, 0: ``-inf`` instead; default
             :func:`~my_pkg.flashhead.tail_estimate.default_tail_rank` of the hidden size).  Its
@@ -194,7 +211,7 @@ class FlashHead:
         self.sampled_n_probes = sampled_n_probes
         self._tail: TailTables | None = None
         self._tail_factors = tail_factors
-        self._sampled_rescore = default_sampled_rescore(v)
+        self._sampled_rescore: int | None = None
         self._sampled_rank = default_tail_rank(self.hidden_size)
         if sampled_rank is not None:
             self.sampled_rank = sampled_rank
@@ -215,14 +232,12 @@ class FlashHead:
     @property
     def sampled_n_probes(self) -> int:
         """Clusters scored exactly for a sampled row (see :meth:`step_logits`)."""
-        if self._sampled_n_probes is None:
-            return default_sampled_n_probes(self._n_probes, self.num_clusters)
-        return self._sampled_n_probes
+        return resolve_sampled_n_probes(self._sampled_n_probes, self._n_probes, self.num_clusters, self._sampled_rank)
 
     @sampled_n_probes.setter
     def sampled_n_probes(self, value: int | None) -> None:
-        """An int in ``1..C``, or None to follow ``n_probes`` (:func:`default_sampled_n_probes`)."""
-        self._sampled_n_probes = None if value is None else self._check_probes(value, "sampled_n_probes")
+        """An int in ``0..C``, or None for :func:`default_sampled_n_probes`."""
+        self._sampled_n_probes = None if value is None else self._check_probes(value, "sampled_n_probes", low=0)
 
     @property
     def sampled_rank(self) -> int:
@@ -241,11 +256,15 @@ class FlashHead:
     def sampled_rescore(self) -> int:
         """Tokens outside a sampled row's candidates scored exactly: those with the best estimated logits
         (default :func:`default_sampled_rescore`; 0: estimates only)."""
+        if self._sampled_rescore is None:
+            return default_sampled_rescore(self.vocab_size, fitted=self.tail_fitted)
         return self._sampled_rescore
 
     @sampled_rescore.setter
-    def sampled_rescore(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= self.vocab_size:
+    def sampled_rescore(self, value: int | None) -> None:
+        """An int in ``0..V``, or None for :func:`default_sampled_rescore`."""
+        valid = not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= self.vocab_size
+        if value is not None and not valid:
             raise ValueError(f"sampled_rescore must be an int in [0, {self.vocab_size}], got {value!r}")
         self._sampled_rescore = value
 
@@ -264,9 +283,9 @@ class FlashHead:
         rank = min(self._sampled_rank, self.vocab_size)
         return self._tail_factors is not None and 0 < rank <= self._tail_factors.rank
 
-    def _check_probes(self, value, name: str = "n_probes") -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.num_clusters:
-            raise ValueError(f"{name} must be an int in [1, {self.num_clusters}], got {value!r}")
+    def _check_probes(self, value, name: str = "n_probes", low: int = 1) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= self.num_clusters:
+            raise ValueError(f"{name} must be an int in [{low}, {self.num_clusters}], got {value!r}")
         return value
 
     @property
@@ -320,10 +339,10 @@ class FlashHead:
             sampled: ``[B]`` bool on the host (a CPU tensor or numpy array): rows that sample.
                 Greedy rows (False, or ``sampled=None``) get the exact logits of the members of
                 the top ``n_probes`` clusters and ``-inf`` elsewhere.  Sampled rows get the exact
-                logits of the members of the top ``sampled_n_probes`` clusters, and every other
-                token the estimated logit of the rank-``sampled_rank`` approximation of the head
-                (:mod:`~my_pkg.flashhead.tail_estimate`; ``-inf`` at rank 0), but for the
-                ``sampled_rescore`` best-estimated ones, scored exactly.
+                logits of the members of the top ``sampled_n_probes`` clusters (none by default),
+                and every other token the estimated logit of the rank-``sampled_rank``
+                approximation of the head (:mod:`~my_pkg.flashhead.tail_estimate`; ``-inf`` at
+                rank 0), but for the ``sampled_rescore`` best-estimated ones, scored exactly.
             pinned: int64 token ids on the head's device, scored exactly on every row.
             postprocess: the model's logit scale / soft-cap, applied to every finite value
                 (candidates, estimates, pinned), never to ``-inf``.
@@ -343,21 +362,23 @@ class FlashHead:
         if mask is not None and not mask.any():
             mask = None
         width = self.probe_width(mask is not None and bool(mask.all()), mask is not None)
-        if probes is None:
-            probes = top_probes(torch_ref.stage1_scores(hidden, self.centroids), width)
-        elif probes.dim() != 2 or probes.shape[0] != num_rows or probes.shape[1] < width:
+        if probes is not None and (probes.dim() != 2 or probes.shape[0] != num_rows or probes.shape[1] < width):
             raise ValueError(f"probes must be [{num_rows}, >= {width}], got {tuple(probes.shape)}")
         if mask is None or mask.all() or self.sampled_n_probes == self._n_probes:
-            # One pass: every row probes the same number of clusters (by default sampled rows probe
-            # as many as greedy rows), only the logits outside the candidates differ.
-            logits = self._rows_logits(hidden, probes[:, :width], mask, post)
+            # One pass: every row probes the same number of clusters, only the logits outside the
+            # candidates differ.
+            logits = self._rows_logits(hidden, self._probes(hidden, probes, width), mask, post)
+        elif self.sampled_n_probes == 0 and self._sampled_rank and self.sampled_rescore and self.backend == "torch":
+            logits = self._mixed_logits(hidden, probes, mask, post)
         else:
             logits = torch.empty((num_rows, self.vocab_size), dtype=self.weight.dtype, device=hidden.device)
             for rows_sampled in (False, True):
                 index = index_tensor(np.flatnonzero(mask == rows_sampled), hidden.device)
+                part_hidden = hidden.index_select(0, index)
+                part_probes = None if probes is None else probes.index_select(0, index)
                 part = self._rows_logits(
-                    hidden.index_select(0, index),
-                    probes.index_select(0, index)[:, : self.sampled_n_probes if rows_sampled else self._n_probes],
+                    part_hidden,
+                    self._probes(part_hidden, part_probes, self.sampled_n_probes if rows_sampled else self._n_probes),
                     np.ones(index.numel(), bool) if rows_sampled else None,
                     post,
                 )
@@ -376,6 +397,15 @@ class FlashHead:
             return self.sampled_n_probes
         return max(self._n_probes, self.sampled_n_probes) if any_sampled else self._n_probes
 
+    def _probes(self, hidden: torch.Tensor, chosen: torch.Tensor | None, width: int) -> torch.Tensor:
+        """``[B, width]`` the best clusters of each row: the first ``width`` of ``chosen``, else stage 1's
+        (not run when ``width`` is 0)."""
+        if chosen is not None:
+            return chosen[:, :width]
+        if width == 0:
+            return torch.empty((hidden.shape[0], 0), dtype=torch.int64, device=hidden.device)
+        return top_probes(torch_ref.stage1_scores(hidden, self.centroids), width)
+
     def _rows_logits(
         self,
         hidden: torch.Tensor,
@@ -390,9 +420,14 @@ class FlashHead:
             # Every row samples: its rescored tail tokens are scored in the candidates' pass over the head.
             raw = self._tail_tables().estimates(hidden)
             rescored = self._rescored(raw, torch_ref.candidate_ids(self.members, probes))
-            ids, exact = kernels.candidate_logits(
-                hidden, self.weight, self.members, probes, token_cluster=self._token_cluster, extra_ids=rescored
-            )
+            if probes.shape[1] == 0:  # no candidates: the estimate chose every exact token
+                if rescored is None:
+                    return post(raw).to(self.weight.dtype)
+                ids, exact = rescored, torch_ref.token_logits(hidden, self.weight, rescored)
+            else:
+                ids, exact = kernels.candidate_logits(
+                    hidden, self.weight, self.members, probes, token_cluster=self._token_cluster, extra_ids=rescored
+                )
             return post(raw).to(exact.dtype).scatter_(1, ids, post(exact))
         ids, exact = kernels.candidate_logits(
             hidden, self.weight, self.members, probes, token_cluster=self._token_cluster
@@ -408,12 +443,40 @@ class FlashHead:
             )
         return out.scatter_(1, ids, exact)
 
+    def _mixed_logits(
+        self,
+        hidden: torch.Tensor,
+        probes: torch.Tensor | None,
+        sampled: np.ndarray,
+        post: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Step logits before the pinned ids of a batch of greedy rows and sampled rows that probe no cluster:
+        the greedy rows' candidates and the sampled rows' best-estimated tokens scored in one pass over the
+        head (a head row that several rows need is read once), the same logits as each kind alone."""
+        greedy = index_tensor(np.flatnonzero(~sampled), hidden.device)
+        rows_sampled = index_tensor(np.flatnonzero(sampled), hidden.device)
+        greedy_hidden = hidden.index_select(0, greedy)
+        chosen = None if probes is None else probes.index_select(0, greedy)
+        candidates = torch_ref.candidate_ids(self.members, self._probes(greedy_hidden, chosen, self._n_probes))
+        raw = self._tail_tables().estimates(hidden.index_select(0, rows_sampled))
+        best = self._rescored(raw, candidates[:0])
+        assert best is not None  # sampled_rescore > 0
+        # One [B, N] id matrix; the narrower kind repeats its last id (scored and written twice, same value).
+        width = max(candidates.shape[1], best.shape[1])
+        ids = torch.empty((hidden.shape[0], width), dtype=torch.int64, device=hidden.device)
+        for index, part in ((greedy, candidates), (rows_sampled, best)):
+            ids.index_copy_(0, index, torch.cat([part, part[:, -1:].expand(-1, width - part.shape[1])], 1))
+        exact = post(torch_ref.token_logits(hidden, self.weight, ids))
+        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device)
+        out.index_copy_(0, rows_sampled, post(raw).to(exact.dtype))
+        return out.scatter_(1, ids, exact)
+
     def _rescored(self, raw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """``[B, k]`` the ``sampled_rescore`` tokens outside the candidates ``ids`` with the best raw estimates
         (None when there are none), chosen before ``post`` (a soft-cap can tie large estimates, the raw ones
         rank them).  Sets ``raw`` to ``-inf`` at ``ids`` in place: the caller writes their exact logits there."""
         raw.scatter_(1, ids, float("-inf"))
-        k = min(self._sampled_rescore, self.vocab_size - ids.shape[1])
+        k = min(self.sampled_rescore, self.vocab_size - ids.shape[1])
         return top_k_ids(raw, k) if k > 0 else None
 
     def _estimates(
@@ -438,7 +501,7 @@ class FlashHead:
             self.num_clusters,
             self.sampled_n_probes,
             self.cluster_size,
-            pinned=pinned + (self._sampled_rescore if self._sampled_rank else 0),
+            pinned=pinned + (self.sampled_rescore if self._sampled_rank else 0),
             rank=self._sampled_rank,
             hidden_size=self.hidden_size,
             vocab_size=self.vocab_size,

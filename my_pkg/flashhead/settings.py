@@ -22,10 +22,10 @@ __all__ = [
 ]
 
 #: Default ``dense_batch_threshold`` of a bfloat16 head on a CPU with native bf16 matrix products (AVX512-BF16,
-#: AMX): there the dense bf16 head costs about as much at 8 rows as at one, and FlashHead's sampled rows were
-#: 0.97x / 0.63x / 0.30x of it at 4 / 8 / 32 rows, greedy rows 0.77x at 32 (docs/benchmarks.md, "bfloat16 on a
-#: CPU with bf16 instructions").
-NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD = 4
+#: AMX): there the dense bf16 head costs about as much at 8 rows as at one; FlashHead measured 1.16x-1.23x of it
+#: at 8 rows and 0.95x-1.10x at 12, 0.64x-0.68x at 32 (docs/benchmarks.md, "bfloat16 on a CPU with bf16
+#: instructions").
+NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD = 8
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -38,8 +38,8 @@ class FlashHeadSettings:
     # The environment left the threshold unset: the machine's default (`machine_dense_batch_threshold`) applies
     # once the head's weight is known.
     dense_batch_threshold_from_machine: bool
-    probe_sampling: bool  # sampled rows get estimated logits for unprobed clusters and sampled_n_probes probes
-    sampled_n_probes: int | None  # clusters a sampled row probes; None follows n_probes (default_sampled_n_probes)
+    probe_sampling: bool  # sampled rows get estimated logits, the best-estimated tokens and sampled_n_probes exact
+    sampled_n_probes: int | None  # clusters a sampled row probes; None: default_sampled_n_probes
     sampled_rank: int | None  # rank of the residual term of sampled rows' estimates; None: the head's default
     backend: str
     fidelity_every: int  # check one FlashHead row in this many against the dense head; 0 = off

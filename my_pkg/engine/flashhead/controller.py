@@ -517,6 +517,7 @@ class FlashHeadController:
             probe_sampling=self.settings.probe_sampling,
             sampled_n_probes=self._sampled_n_probes(),
             sampled_rank=self._status_sampled_rank(),
+            sampled_rescore=head.sampled_rescore if head is not None and self.settings.probe_sampling else None,
             sampled_estimate=self._sampled_estimate(),
             pinned_token_ids=list(self.pinned_ids),
             fidelity_every=self.settings.fidelity_every,
@@ -555,14 +556,17 @@ class FlashHeadController:
         return self.settings.sampled_rank
 
     def _sampled_n_probes(self) -> int | None:
-        """Clusters a sampled row probes now (the head's rule when not set)."""
+        """Clusters a sampled row probes now (the head's rule when not set; the greedy rows' without probe sampling)."""
+        if self.num_clusters is None:
+            return self.settings.sampled_n_probes
+        if not self.settings.probe_sampling:
+            return min(self.settings.n_probes, self.num_clusters)
         if self.head is not None:
             return self.head.sampled_n_probes
-        if self.settings.sampled_n_probes is not None or self.num_clusters is None:
-            return self.settings.sampled_n_probes
-        from my_pkg.flashhead.head import default_sampled_n_probes
+        from my_pkg.flashhead.head import resolve_sampled_n_probes
 
-        return default_sampled_n_probes(self.settings.n_probes, self.num_clusters)
+        rank = self._status_sampled_rank() or 0
+        return resolve_sampled_n_probes(self.settings.sampled_n_probes, self.settings.n_probes, self.num_clusters, rank)
 
     def validate(self, update: FlashHeadUpdate) -> list[str]:
         """What the served model refuses in `update` (the contract has checked its fields and types):
@@ -627,6 +631,7 @@ def status_without_controller(code: ReasonCode = "no_assets", reason: str = NO_A
         probe_sampling=None,
         sampled_n_probes=None,
         sampled_rank=None,
+        sampled_rescore=None,
         sampled_estimate=None,
         pinned_token_ids=None,
         fidelity_every=None,

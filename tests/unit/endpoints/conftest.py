@@ -66,6 +66,7 @@ class FakeController:
             probe_sampling=True,
             sampled_n_probes=None,
             sampled_rank=None,
+            sampled_rescore=None,
             pinned_token_ids=[2],
             fidelity_every=100,
             backend="torch",

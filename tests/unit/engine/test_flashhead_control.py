@@ -112,10 +112,16 @@ def test_sampled_rows_get_estimated_logits_and_stay_reproducible(controller, wei
     assert not torch.isfinite(greedy).all()
     assert torch.isfinite(sampled).all()  # unprobed clusters keep an estimated share of the mass
     assert (sampled == sampled[0]).all()  # nothing random: a seeded request reproduces
-    assert controller.status().sampled_n_probes == controller.head.sampled_n_probes
+    status = controller.status()
+    assert status.sampled_n_probes == controller.head.sampled_n_probes == 0  # the estimate chooses the exact tokens
+    assert status.sampled_rescore == controller.head.sampled_rescore > 0
+    exact = torch.isclose(sampled[0], _dense(weight)(hidden[:1])[0], rtol=1e-5, atol=1e-5)
+    assert int(exact.sum()) >= status.sampled_rescore
     controller.settings.probe_sampling = False  # MY_PKG_FLASHHEAD_PROBE_SAMPLING=0
     plain = controller.compute_logits(hidden, _rows([0] * 8, [True] * 8), _dense(weight), lambda x: x)
     assert torch.equal(plain, greedy)
+    status = controller.status()
+    assert status.sampled_n_probes == status.n_probes and status.sampled_rescore is None
 
 
 def test_mismatched_rows_go_dense(controller, weight):

@@ -4,8 +4,8 @@ Issue targets, on held-out states the model and the calibration never saw, at th
 `my-pkg flashhead build` writes (with `--calibration-hidden` on the fixture's calibration states, and
 weight-only) and serving's defaults for sampled rows, measured by `my-pkg flashhead eval --json`:
 total-variation distance to the dense sampling distribution <= 0.01 at temperature 0.7 / top_p 0.9 and
-<= 0.02 at temperature 1.0, with sampled rows scoring <= 20% of the vocabulary more than greedy rows;
-greedy rows unchanged.
+<= 0.02 at temperature 1.0, with sampled rows scoring <= 17% of the head's rows (no stage 1: the estimate and the
+tokens it ranks best); greedy rows unchanged.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from my_pkg.flashhead.evaluate import serving_fidelity
 from .conftest import write_checkpoint
 
 TV_TARGETS = {(0.7, 0.9): 0.01, (1.0, 1.0): 0.02, (1.0, 0.95): 0.02}
-# What a sampled row scores beyond a greedy row (the estimate's r * (H + V) multiply-adds counted in rows of H,
-# and the rescored tokens): at this fixture's narrow H = 256 the rank-32 estimate alone counts 13 % of V (at
-# 128,256 x 2,048 the rank-64 one counts 3 %).
-SAMPLED_EXTRA_BUDGET = 0.20
+# What a sampled row scores (the estimate's r * (H + V) multiply-adds counted in rows of H, the tokens it ranks
+# best and the pinned ids): at this fixture's narrow H = 256 the rank-32 estimate alone counts 13 % of V (at
+# 128,256 x 2,048 the rank-64 one counts 3 %). Probing the greedy rows' clusters as well, as sampled rows did
+# before, scores about 25 %.
+SAMPLED_BUDGET = {"calibrated": 0.17, "weight-only": 0.20}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_sampled_rows_meet_the_tv_targets_at_the_default_settings(models, stage1
     assert result["n_probes"] == read_config(built[stage1])["n_probes"]
     assert result["stop_token_recall"] == 1.0  # EOS is a frequent dense argmax here, and always scored
     for sampling in result["sampling"]:
-        assert sampling["scored_fraction"] - result["scored_fraction"] <= SAMPLED_EXTRA_BUDGET, result
+        assert sampling["scored_fraction"] <= SAMPLED_BUDGET[stage1], result
         target = TV_TARGETS[(sampling["temperature"], sampling["top_p"])]
         assert sampling["tv_distance"] <= target, (stage1, result)
     if stage1 == "calibrated":

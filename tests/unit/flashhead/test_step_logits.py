@@ -11,6 +11,7 @@ import torch
 from my_pkg.flashhead import FlashHead
 from my_pkg.flashhead.head import default_sampled_n_probes
 from my_pkg.flashhead.tail_estimate import build_tail_tables, default_tail_rank
+from my_pkg.flashhead.kernels.torch_ref import token_logits as _token_logits
 from tests.support.heads import random_head
 
 VOCAB, HIDDEN, PAD = 333, 37, 5  # 21 clusters, the last ones one member short (padded in memory)
@@ -51,10 +52,7 @@ def test_greedy_rows_are_exact_on_the_top_clusters_and_minus_inf_elsewhere():
 
 
 def test_sampled_rows_probe_more_clusters_and_estimate_the_others_from_a_low_rank_head():
-    head = _head()
-    assert head.sampled_n_probes == default_sampled_n_probes(head.n_probes, head.num_clusters) == 3
-    head.n_probes = 1
-    assert head.sampled_n_probes == 1  # follows n_probes
+    head = _head(n_probes=1)
     head.sampled_n_probes, head.sampled_rescore = 2, 0  # estimates only, outside two clusters
     hidden = _hidden(3)
     logits = head.step_logits(hidden, sampled=torch.ones(3, dtype=torch.bool))
@@ -116,7 +114,7 @@ def test_mixed_batch_rows_equal_the_rows_computed_alone_and_are_deterministic():
 
 
 def test_pinned_ids_are_exact_on_every_row_probed_or_not():
-    head = _head(n_probes=1)
+    head = _head(n_probes=1, sampled_n_probes=1)
     hidden = _hidden(6)
     dense = head.dense_logits(hidden)
     cluster = _token_cluster(head)
@@ -158,15 +156,21 @@ def test_every_cluster_probed_gives_the_dense_logits_on_every_row():
 def test_sampled_n_probes_setting():
     head = _head(n_probes=4, sampled_n_probes=5)
     assert head.sampled_n_probes == 5
-    head.sampled_n_probes = None  # follows n_probes again
     head.n_probes = 15
-    assert head.sampled_n_probes == default_sampled_n_probes(15, 21) == 15  # as many as greedy rows
-    assert default_sampled_n_probes(30, 21) == 21 and default_sampled_n_probes(1, 800) == 1
+    assert head.scored_rows_per_step(sampled=True, pinned=2) == 21 + 5 * 16 + 2 + 21 + math.ceil(5 * (37 + VOCAB) / 37)
+    head.sampled_n_probes = None  # the default: no cluster, the estimate chooses the exact tokens
+    assert head.sampled_n_probes == default_sampled_n_probes(15, 21, head.sampled_rank) == 0
+    assert default_sampled_n_probes(15, 21, 0) == 15  # without an estimate: as many as greedy rows
+    assert default_sampled_n_probes(21, 21, 5) == default_sampled_n_probes(30, 21, 5) == 21  # every cluster: exact
+    assert default_sampled_n_probes(1, 800, 0) == 1
     assert head.sampled_rank == default_tail_rank(HIDDEN) == 5  # ceil(37 / 8)
     assert default_tail_rank(2048) == 64 and default_tail_rank(256) == 32
-    assert head.scored_rows_per_step(sampled=True, pinned=2) == 21 + 15 * 16 + 2 + 11 + math.ceil(5 * (37 + VOCAB) / 37)
+    # No stage 1: neither centroids nor candidates; the weight-only estimate's V / 16 tokens and the pinned ids.
+    assert head.scored_rows_per_step(sampled=True, pinned=2) == 2 + 21 + math.ceil(5 * (37 + VOCAB) / 37)
     assert head.scored_rows_per_step(sampled=False) == 21 + 15 * 16
-    for bad in (0, 22, True, 2.0):
+    head.sampled_rank = 0
+    assert head.sampled_n_probes == 15  # an explicit 0 too needs the estimate to choose the tokens
+    for bad in (-1, 22, True, 2.0):
         with pytest.raises(ValueError, match="sampled_n_probes"):
             head.sampled_n_probes = bad
     for bad in (-1, HIDDEN + 1, 1.5):
@@ -197,8 +201,8 @@ def test_row_indices_reach_the_device_as_int64_without_changing():
 
 
 def test_the_best_estimated_tail_tokens_are_rescored_exactly():
-    head = _head()
-    assert head.sampled_rescore == math.ceil(VOCAB / 32) == 11
+    head = _head(sampled_n_probes=3)
+    assert head.sampled_rescore == math.ceil(VOCAB / 16) == 21  # the weight-only estimate: V / 16
     head.sampled_rescore = 20
     hidden = _hidden(4)
     logits = head.step_logits(hidden, sampled=np.ones(4, bool))
@@ -220,3 +224,58 @@ def test_the_best_estimated_tail_tokens_are_rescored_exactly():
     )
     with pytest.raises(ValueError):
         head.sampled_rescore = -1
+
+
+def test_by_default_a_sampled_row_scores_exactly_the_tokens_its_estimate_ranks_best_without_stage_1():
+    head = _head(n_probes=2)
+    assert head.sampled_n_probes == 0
+    hidden = _hidden(4)
+    dense = head.dense_logits(hidden)
+    tables = build_tail_tables(head.weight, VOCAB, head.sampled_rank)
+    estimates = (hidden @ tables.basis) @ (head.weight[:VOCAB] @ tables.basis).T
+    pinned = torch.tensor([4, 200])
+
+    def no_stage_1(*args, **kwargs):
+        raise AssertionError("stage 1 ran for sampled rows that probe no cluster")
+
+    from my_pkg.flashhead.kernels import torch_ref
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_ref, "stage1_scores", no_stage_1)
+        logits = head.step_logits(hidden, sampled=np.ones(4, bool), pinned=pinned)
+    for row in range(4):
+        exact = torch.zeros(VOCAB, dtype=torch.bool)
+        exact[torch.topk(estimates[row], head.sampled_rescore).indices] = True
+        exact[pinned] = True
+        torch.testing.assert_close(logits[row][exact], dense[row][exact])
+        torch.testing.assert_close(logits[row][~exact], estimates[row][~exact], rtol=1e-3, atol=1e-3)
+        assert not torch.allclose(logits[row][~exact], dense[row][~exact], atol=1e-3)  # estimates, not exact
+
+
+@pytest.mark.parametrize("rows", [4, 20])  # 20: scored cluster by cluster
+def test_a_mixed_batch_scores_both_kinds_in_one_pass_with_the_logits_of_each_kind_alone(rows, monkeypatch):
+    from my_pkg.flashhead.kernels import torch_ref
+
+    head = _head(n_probes=2)
+    hidden = _hidden(rows, seed=3)
+    mixed = np.arange(rows) % 3 != 1
+    greedy = head.step_logits(hidden[~mixed])
+    sampled = head.step_logits(hidden[mixed], sampled=np.ones(int(mixed.sum()), bool))
+    passes = []
+    monkeypatch.setattr(torch_ref, "token_logits", lambda *a: passes.append(a[2].shape) or _token_logits(*a))
+    both = head.step_logits(hidden, sampled=mixed)
+    assert passes == [(rows, head.n_probes * head.cluster_size)]  # one pass; the sampled rows' 21 ids padded
+    assert torch.equal(both[~mixed], greedy) and torch.equal(both[mixed], sampled)
+
+
+def test_a_fitted_estimate_gets_v_over_32_exact_tokens_and_every_cluster_probed_still_gives_the_dense_logits():
+    from my_pkg.flashhead.tail_estimate import fit_tail_factors
+
+    weight = _head().weight
+    states = _hidden(64, seed=5)
+    head = _head(n_probes=3, tail_factors=fit_tail_factors(weight, VOCAB, default_tail_rank(HIDDEN), states))
+    assert head.tail_fitted and head.sampled_rescore == math.ceil(VOCAB / 32) == 11
+    head.n_probes = head.num_clusters
+    assert head.sampled_n_probes == head.num_clusters
+    hidden = _hidden(3)
+    torch.testing.assert_close(head.step_logits(hidden, sampled=np.ones(3, bool)), head.dense_logits(hidden))
