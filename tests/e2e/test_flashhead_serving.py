@@ -83,6 +83,10 @@ def test_default_probes_serve_greedy_and_sampled_requests(fh, flashhead_server):
     # The build calibrated on the model's own samples, so sampled rows get the estimate it fitted to them.
     record = json.loads((Path(flashhead_server.model) / "config.json").read_text())["flash_head_calibration"]
     assert status["sampled_estimate"] == ("weight_only" if record["source"] == "none" else "fitted"), record
+    # Sampled rows run no stage 1: the estimate chooses their exact tokens, V / 32 of them with a fitted estimate.
+    assert status["sampled_n_probes"] == 0
+    fitted = status["sampled_estimate"] == "fitted"
+    assert status["sampled_rescore"] == -(-status["vocab_size"] // (32 if fitted else 16)), status
     before = status["counters"]["rows_flashhead"]
     greedy = _complete_all(fh, flashhead_server.model, PROMPTS[:3])
     sampled = _complete_all(
