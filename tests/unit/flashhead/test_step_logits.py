@@ -10,8 +10,8 @@ import torch
 
 from my_pkg.flashhead import FlashHead
 from my_pkg.flashhead.head import default_sampled_n_probes
-from my_pkg.flashhead.tail_estimate import build_tail_tables, default_tail_rank
 from my_pkg.flashhead.kernels.torch_ref import token_logits as _token_logits
+from my_pkg.flashhead.tail_estimate import build_tail_tables, default_tail_rank
 from tests.support.heads import random_head
 
 VOCAB, HIDDEN, PAD = 333, 37, 5  # 21 clusters, the last ones one member short (padded in memory)
