@@ -78,9 +78,9 @@ def default_sampled_n_probes(n_probes: int, num_clusters: int, sampled_rank: int
     """Clusters a sampled row probes when not set: none while the row has an estimate (``sampled_rank`` > 0),
     which then chooses the row's exact tokens by itself, so the row skips stage 1; without an estimate, or
     when greedy rows probe every cluster (every row then gets the dense logits), the greedy rows'
-    ``n_probes`` (at most ``C``).  On the trained fixture the estimate's best tokens, scored exactly, gave
-    a lower TV on shifted text than as many exact tokens split between probed clusters and rescored ones
-    (docs/flashhead.md, "Sampled rows on shifted text")."""
+    ``n_probes`` (at most ``C``).  On the trained fixture the estimate's best tokens, scored exactly, gave the
+    TV on shifted text of as many exact tokens split between probed clusters and rescored ones (a little
+    lower) at fewer rows scored (docs/flashhead.md, "Sampled rows on shifted text")."""
     probes = max(1, min(num_clusters, n_probes))
     return 0 if sampled_rank and probes < num_clusters else probes
 
