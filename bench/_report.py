@@ -147,4 +147,4 @@ def fitted_tail_factors(weight, vocab_size: int, *, states: int = 512, seed: int
 
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(states, weight.shape[1], generator=generator).to(weight.device)
-    return fit_tail_factors(weight.float(), vocab_size, default_tail_rank(weight.shape[1]), hidden, seed=seed)
+    return fit_tail_factors(weight, vocab_size, default_tail_rank(weight.shape[1]), hidden, seed=seed)

@@ -459,7 +459,7 @@ class FlashHead:
         chosen = None if probes is None else probes.index_select(0, greedy)
         candidates = torch_ref.candidate_ids(self.members, self._probes(greedy_hidden, chosen, self._n_probes))
         raw = self._tail_tables().estimates(hidden.index_select(0, rows_sampled))
-        best = self._rescored(raw, candidates[:0])
+        best = self._rescored(raw, candidates.new_empty((raw.shape[0], 0)))  # no candidates of their own
         assert best is not None  # sampled_rescore > 0
         # One [B, N] id matrix; the narrower kind repeats its last id (scored and written twice, same value).
         width = max(candidates.shape[1], best.shape[1])
