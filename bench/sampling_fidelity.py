@@ -13,13 +13,15 @@ and maximum over the held-out states, with the scored fraction of a sampled row.
 * serving's sampled rows (``FlashHead.step_logits``) at the defaults (no cluster probed: the estimate
   chooses the exact tokens), with twice the exact tokens, twice the rank, and the greedy rows' clusters
   probed too (``--variants P:R[:K],...`` adds more: probes (0: none), estimate rank, rescored tail tokens
-  (default: the head's); ``P`` may be ``n`` for the greedy rows' ``n_probes``).
+  (default: the head's); ``P`` may be ``n`` for the greedy rows' ``n_probes``; with ``--shifted`` they are
+  settings of the default build, ``K`` given, the fitted estimate or with ``P:R:K:w`` the weight-only one).
 
 With ``--shifted`` it instead measures sampled rows on text the build never saw, as the default build
 serves them: the fixture's head clustered, its stage 1 calibrated on the model's own samples and on each
 source's calibration states (``calibrate_stage1``, as ``build`` does), each with the weight-only tail
-estimate and with the one fitted to the same calibration states; for the default build also lower ranks,
-the sampled rows of the design before (the greedy rows' clusters probed, ``V / 32`` rescored) and as many
+estimate and with the one fitted to the same calibration states (each at the head's default rank); for the
+default build also the fitted estimate at ``ceil(H / 8)`` (the default before the rows budget), half and a
+quarter of it, the sampled rows of the design before (the greedy rows' clusters probed, ``V / 32`` rescored) and as many
 exact tokens chosen by the estimate alone; TV on the held-out states of every other source (mean / p90 / max).
 
 With ``--speed VxH`` it instead times one decode step at batch 1 on a random head of that shape
@@ -30,6 +32,7 @@ sampled rows' tables.
     python -m bench.sampling_fidelity                       # the committed fixture, every held-out state
     python -m bench.sampling_fidelity --rows 1024 --draws 8
     python -m bench.sampling_fidelity --shifted --threads 1          # fitted vs weight-only estimate
+    python -m bench.sampling_fidelity --shifted --threads 1 --variants 0:28:288,0:21:512:w
     python -m bench.sampling_fidelity --speed 128256x2048 --threads 1
 """
 
@@ -141,8 +144,10 @@ def speed(vocab: int, hidden: int, rounds: int = 5) -> None:
         )
 
 
-def shifted(fx: TrainedFixture, rows: int) -> None:
-    """Sampled rows' TV on shifted text, weight-only vs fitted tail estimate (see the module docstring)."""
+def shifted(fx: TrainedFixture, rows: int, extra: list[tuple[str, int, int, bool]] = ()) -> None:
+    """Sampled rows' TV on shifted text, weight-only vs fitted tail estimate (see the module docstring);
+    ``extra``: more ``(probes, rank, rescored, fitted)`` settings of the default build (``probes`` ``n``: the
+    greedy rows' ``n_probes``)."""
     from my_pkg.flashhead.calibration import calibrate_stage1
     from my_pkg.flashhead.clustering import balanced_kmeans
     from my_pkg.flashhead.head import default_sampled_rescore
@@ -161,17 +166,23 @@ def shifted(fx: TrainedFixture, rows: int) -> None:
         factors = fit_tail_factors(fx.weight, vocab, default_tail_rank(hidden_size), states)
         # (estimate, fitted factors, rank, sampled_n_probes, sampled_rescore); None: the head's default
         variants = [
-            ("weight-only", None, factors.rank, None, None),
-            ("fitted to the calibration states", factors, factors.rank, None, None),
+            ("weight-only", None, None, None, None),
+            ("fitted to the calibration states", factors, None, None, None),
         ]
-        if build == "model samples":  # the default build: a lower rank, and the design before
-            variants += [(f"fitted, rank {r}", factors, r, None, None) for r in (factors.rank // 2, factors.rank // 4)]
+        if build == "model samples":  # the default build: other ranks, and the design before
+            ranks = (factors.rank, factors.rank // 2, factors.rank // 4)  # ceil(H / 8): the default before the budget
+            variants += [("fitted", factors, r, None, None) for r in ranks]
             before, exact_members = default_sampled_rescore(vocab), cal.n_probes * cluster_size
             rank = factors.rank
             variants += [
                 (f"fitted; greedy rows' clusters + {before} rescored (before)", factors, rank, cal.n_probes, before),
                 ("fitted; as many exact tokens, all best-estimated", factors, rank, 0, before + exact_members),
             ]
+            for probes, r, k, fitted in extra:
+                probes = cal.n_probes if probes == "n" else int(probes)
+                kind = "fitted" if fitted else "weight-only"
+                name = f"{kind}; top {probes} clusters, {k} best-estimated tokens exact"
+                variants.append((name, factors if fitted else None, r, probes, k))
         for estimate, fitted, rank, probes, rescore in variants:
             head = FlashHead(
                 fx.weight,
@@ -183,12 +194,22 @@ def shifted(fx: TrainedFixture, rows: int) -> None:
                 sampled_n_probes=probes,
             )
             head.sampled_rescore = rescore
+            label = f"{build} ({cal.n_probes} probes) | {estimate}, rank {head.sampled_rank}"
             for source in ("docstrings", "code"):
                 if source != build:
                     (result,) = serving_fidelity(head, fx.source(source)[1][:rows], [cal.n_probes], pinned=pinned)
-                    name = f"{build} ({cal.n_probes} probes)"
                     fraction = result.sampling[0].scored_fraction
-                    print(_row(f"{name} | {estimate} | {source}", fraction, result.sampling), flush=True)
+                    print(_row(f"{label} | {source}", fraction, result.sampling), flush=True)
+
+
+def _shifted_variants(text: str) -> list[tuple[str, int, int, bool]]:
+    """``--variants`` for ``--shifted``: ``P:R:K`` items (``K`` is needed: the rescored tokens), ``P:R:K:w`` with
+    the weight-only estimate."""
+    out = []
+    for item in filter(None, text.split(",")):
+        probes, rank, rescore, *estimate = item.split(":")
+        out.append((probes, int(rank), int(rescore), estimate != ["w"]))
+    return out
 
 
 def _variant_label(probes: int, rank: int, rescore: int) -> str:
@@ -232,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shifted:
         print(machine_description())
         print(f"Command: `{command_line()}`\n")
-        shifted(fx, args.rows or 2048)
+        shifted(fx, args.rows or 2048, _shifted_variants(args.variants))
         return 0
     hidden = fx.heldout if args.rows is None else fx.heldout[: args.rows]
     pinned = sorted({fx.eos_id, *fx.special_ids.values()})

@@ -1,8 +1,9 @@
 """Decode throughput of a real vLLM server, FlashHead vs dense LM head, measured in one process.
 
 For each model shape one random checkpoint is built (cached under ``--work-dir``) and converted
-with ``python -m my_pkg flashhead build --no-calibration`` (the builder's default ``n_probes``); few k-means
-iterations are used, since cluster quality changes which tokens come out, not how long a step takes.
+with ``python -m my_pkg flashhead build --no-calibration`` (the builder's default ``n_probes``), then given the
+sampled rows' estimate a default build fits (fitted to random states: its cost does not depend on them); few
+k-means iterations are used, since cluster quality changes which tokens come out, not how long a step takes.
 One server serves the FlashHead model in float32.  Dense and FlashHead are compared on that same server by switching
 ``PUT /plugins/my_pkg/flashhead {"enabled": ...}`` between measurements, in the order
 dense, FlashHead, FlashHead, dense, ... over ``--rounds`` rounds so that drift cancels.
@@ -227,6 +228,7 @@ class ShapeResult:
     backend: str | None
     runs: dict[tuple[str, int], list[Measurement]] = field(default_factory=dict)
     variant: SpecVariant = field(default_factory=lambda: SpecVariant("", {}))
+    sampled_estimate: str = ""  # the sampled rows' estimate, as the status route reports it
 
     def acceptance(self, key: tuple[str, int], mode: str) -> float:
         """vLLM's acceptance rate over the mode's measurements (speculative decoding; nan without drafts)."""
@@ -358,10 +360,15 @@ def bench_server(shape: Shape, name: str, model: Path, variant: SpecVariant, arg
                 status.get("dense_batch_threshold"),
                 status.get("backend"),
                 variant=variant,
+                sampled_estimate=(
+                    f"{status.get('sampled_estimate')} rank-{status.get('sampled_rank')} estimate, "
+                    f"{status.get('sampled_rescore')} best-estimated tokens exact"
+                ),
             )
             print(
                 f"  FlashHead: {result.num_clusters:,} clusters, n_probes {result.n_probes} "
-                f"(sampled rows {result.sampled_n_probes}, probe_sampling {result.probe_sampling}), "
+                f"(sampled rows {result.sampled_n_probes}, {result.sampled_estimate}, "
+                f"probe_sampling {result.probe_sampling}), "
                 f"dense_batch_threshold {result.threshold}, backend {result.backend}",
                 flush=True,
             )
@@ -491,9 +498,9 @@ def to_markdown(results: list[ShapeResult], args: argparse.Namespace) -> str:
             f"**{r.shape.title}**: V = {spec.vocab_size:,}, H = {spec.hidden_size:,}, "
             f"{spec.num_hidden_layers} layers, intermediate {spec.intermediate_size:,}, "
             f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, tied embeddings; "
-            f"{r.num_clusters:,} clusters of 16, n_probes {r.n_probes} (sampled rows: {r.sampled_n_probes}, "
-            f"probe_sampling {r.probe_sampling}), dense_batch_threshold {r.threshold} (server default unless "
-            f"the command sets it), backend {r.backend}.{variant}",
+            f"{r.num_clusters:,} clusters of 16, n_probes {r.n_probes} (sampled rows: {r.sampled_n_probes} probes, "
+            f"{r.sampled_estimate}, probe_sampling {r.probe_sampling}), dense_batch_threshold {r.threshold} "
+            f"(server default unless the command sets it), backend {r.backend}.{variant}",
             "",
         ]
         out += table(r)

@@ -323,6 +323,7 @@ class ServingFidelity:
     sampled_n_probes: int
     sampling: list[SamplingFidelity] = field(default_factory=list)
     sampled_rescore: int = 0  # the best-estimated tokens a sampled row scores exactly
+    sampled_rank: int = 0  # rank of a sampled row's estimate (0: -inf outside its exact tokens)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -443,6 +444,7 @@ def serving_fidelity(
                     stop_token_recall=stop_hits / stop_rows if stop_rows else None,
                     sampled_n_probes=head.sampled_n_probes,
                     sampled_rescore=head.sampled_rescore,
+                    sampled_rank=head.sampled_rank,
                     sampling=[
                         _sampling_fidelity(t, tp, torch.cat(tv[i]), sampled_fraction)
                         for i, (t, tp) in enumerate(settings)

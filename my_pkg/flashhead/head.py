@@ -44,6 +44,7 @@ __all__ = [
     "build_members",
     "default_n_probes",
     "default_sampled_n_probes",
+    "default_sampled_rank",
     "default_sampled_rescore",
     "rows_scored",
 ]
@@ -102,6 +103,27 @@ def default_sampled_rescore(vocab_size: int, *, fitted: bool = True) -> int:
     return math.ceil(vocab_size / (32 if fitted else 16))
 
 
+#: Share of the dense head's multiply-adds that a sampled row spends at most by default when its estimate is
+#: fitted (pinned ids aside): the estimate's rank is lowered where ``ceil(H / 8)`` and the exact tokens would
+#: cost more (:func:`default_sampled_rank`).
+SAMPLED_ROW_BUDGET = 0.15
+
+
+def default_sampled_rank(vocab_size: int, hidden_size: int, *, fitted_rank: int = 0) -> int:
+    """Rank of a sampled row's estimate when not set: ``ceil(H / 8)``, at most 64
+    (:func:`~my_pkg.flashhead.tail_estimate.default_tail_rank`).  With fitted factors of rank ``fitted_rank``
+    it is lowered, where needed, so that the estimate (``r * (H + V) / H`` rows) and its
+    :func:`default_sampled_rescore` exact tokens stay within :data:`SAMPLED_ROW_BUDGET` of the ``V`` rows:
+    never at 2,048-wide heads (64 of at most 239 at 128,256 x 2,048), 29 instead of 32 on the trained fixture's
+    8,192 x 256.  The weight-only estimate (no factors) keeps ``ceil(H / 8)``: it ranks the tokens worse, and on
+    the fixture no rank within the budget met the TV targets with it (docs/flashhead.md, "Sampled rows on
+    shifted text")."""
+    rank = default_tail_rank(hidden_size)
+    spare = SAMPLED_ROW_BUDGET * vocab_size - default_sampled_rescore(vocab_size)
+    within = max(1, min(rank, math.floor(spare * hidden_size / (hidden_size + vocab_size))))
+    return within if within <= fitted_rank else rank
+
+
 def build_members(
     assignments: torch.Tensor, num_clusters: int | None = None, *, allow_empty: bool = False
 ) -> torch.Tensor:
@@ -148,8 +170,7 @@ class FlashHead:
             estimate, else following ``n_probes``).  0 needs the estimate: at ``sampled_rank`` 0 a
             sampled row probes ``n_probes``.
         sampled_rank: rank of the head approximation that estimates a sampled row's unprobed
-            logits (``0..H``, 0: ``-inf`` instead; default
-            :func:`~my_pkg.flashhead.tail_estimate.default_tail_rank` of the hidden size).  Its
+            logits (``0..H``, 0: ``-inf`` instead; default :func:`default_sampled_rank`).  Its
             tables are built on the first sampled row (a randomized SVD of the head, once).
         tail_factors: the estimate fitted to calibration states (the assets' ``tail_estimate.safetensors``);
             used at every ``sampled_rank`` up to its rank, above it (or when None) the weight-only fit.
@@ -197,14 +218,12 @@ class FlashHead:
         self.vocab_size = v
         self.hidden_size = weight.shape[1]
         self.backend = resolve_backend(backend, weight.device.type)
-        # Each head row's cluster (C: none, e.g. padding rows): lets a CPU batch be scored cluster by
-        # cluster. Only when no cluster is empty (an empty cluster's slots hold another cluster's token).
+        # Each head row's cluster (C: none, e.g. padding rows): lets a CPU batch be scored cluster by cluster.
         self._token_cluster: torch.Tensor | None = None
-        cluster_of = assignments.detach().to("cpu", torch.int64)
-        if weight.device.type == "cpu" and bool((torch.bincount(cluster_of, minlength=c) > 0).all()):
+        if weight.device.type == "cpu":
             token_cluster = torch.full((weight.shape[0],), c, dtype=torch.int64)
-            token_cluster[:v] = cluster_of
-            self._token_cluster = token_cluster.to(weight.device)
+            token_cluster[:v] = assignments.detach().to("cpu", torch.int64)
+            self._token_cluster = token_cluster
         self._n_probes = 1
         self.n_probes = n_probes
         self._sampled_n_probes: int | None = None
@@ -212,7 +231,8 @@ class FlashHead:
         self._tail: TailTables | None = None
         self._tail_factors = tail_factors
         self._sampled_rescore: int | None = None
-        self._sampled_rank = default_tail_rank(self.hidden_size)
+        fitted_rank = tail_factors.rank if tail_factors is not None else 0
+        self._sampled_rank = default_sampled_rank(v, self.hidden_size, fitted_rank=fitted_rank)
         if sampled_rank is not None:
             self.sampled_rank = sampled_rank
 

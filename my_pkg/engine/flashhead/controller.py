@@ -220,7 +220,7 @@ class FlashHeadController:
                 n_probes=self.settings.n_probes,
                 backend=self.settings.backend,
                 sampled_n_probes=self.settings.sampled_n_probes,
-                sampled_rank=self._sampled_rank(weight.shape[1]),
+                sampled_rank=self._sampled_rank(weight.shape[1], end - start),
                 tail_factors=self._tail_factors,
             )
             self.vocab_range = vocab_range
@@ -541,18 +541,22 @@ class FlashHeadController:
             return "off"
         return "fitted" if head.tail_fitted else "weight_only"
 
-    def _sampled_rank(self, hidden_size: int) -> int:
-        """The configured rank, at most the hidden size (the head refuses more)."""
-        from my_pkg.flashhead.tail_estimate import default_tail_rank
+    def _sampled_rank(self, hidden_size: int, vocab_size: int) -> int:
+        """The configured rank, at most the hidden size (the head refuses more), else the head's default for
+        `vocab_size` tokens (this rank's shard)."""
+        from my_pkg.flashhead.head import default_sampled_rank
 
         rank = self.settings.sampled_rank
-        return default_tail_rank(hidden_size) if rank is None else min(rank, hidden_size)
+        if rank is not None:
+            return min(rank, hidden_size)
+        fitted_rank = self._tail_factors.rank if self._tail_factors is not None else 0
+        return default_sampled_rank(vocab_size, hidden_size, fitted_rank=fitted_rank)
 
     def _status_sampled_rank(self) -> int | None:
         if self.head is not None:
             return self.head.sampled_rank
         if self._centroids is not None:
-            return self._sampled_rank(int(self._centroids.shape[1]))
+            return self._sampled_rank(int(self._centroids.shape[1]), self.vocab_size)
         return self.settings.sampled_rank
 
     def _sampled_n_probes(self) -> int | None:

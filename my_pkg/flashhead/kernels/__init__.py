@@ -8,9 +8,10 @@ A backend is a module with one function::
 
 ``token_ids[b]`` are ``members[probes[b]]`` flattened, then ``extra_ids[b]`` when given (a sampled
 row's rescored tail tokens), and ``logits[b, j]`` is ``weight[token_ids[b, j]] . hidden[b]``.
-``token_cluster`` (each head row's cluster id, ``C`` for rows in no cluster; ``None`` when a cluster
-is empty) lets a backend score a batch cluster by cluster instead of row by row; a backend may ignore
-it.  Registered here:
+``token_cluster`` (each head row's cluster id, ``C`` for rows in no cluster; given on CPU) lets a
+backend score a batch cluster by cluster instead of row by row; a backend may ignore it.  ``members``
+pads a cluster by repeating its first member, and an empty cluster (a vocabulary shard under tensor
+parallelism holds none of its members) by token 0.  Registered here:
 
 * ``torch`` (:mod:`.torch_ref`): pure torch, every device; the CPU path and the reference;
 * ``triton`` (:mod:`.triton_kernels`): CUDA, imported only when chosen and Triton imports.

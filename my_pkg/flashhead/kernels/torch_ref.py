@@ -16,6 +16,9 @@ some row of the batch probes is read once for all of them, not once per row.  Th
 computes each value as the same vectorized dot product either way, so the logits are bit for bit
 those of the row-by-row pattern; only the memory traffic changes (the head's union of candidates
 instead of ``B`` times each row's).
+Under tensor parallelism a head covers one vocabulary shard, which holds from none to all of each
+cluster's members, padded to the largest: a small batch then scores only the real members
+(:func:`_candidates_sparse`), and the grouped pattern gives an empty cluster's slots token 0's logit.
 The sparse kernel shares whole CSR rows among the threads; a batch with fewer rows than threads (one row at
 low concurrency) has each row's ids cut into consecutive pieces, so every thread scores a share of them
 (:func:`_row_parts`), again with the same values bit for bit.
@@ -90,24 +93,55 @@ def _row_parts(rows: int, ids_per_row: int) -> int:
 
 def _logits_sparse(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     b, n = ids.shape
-    parts = _row_parts(b, n)
-    if parts == 1:
-        crow = torch.arange(0, (b + 1) * n, n, dtype=torch.int64, device=ids.device)
-    else:  # row r's ids in `parts` consecutive CSR rows, each with a copy of hidden[r]: the same dot products
-        starts = torch.arange(b, device=ids.device).view(b, 1) * n + torch.arange(parts, device=ids.device) * n // parts
-        crow = torch.cat([starts.reshape(-1), torch.tensor([b * n], device=ids.device)])
+    lengths = torch.full((b,), n, dtype=torch.int64, device=ids.device)
+    return _sparse_values(hidden, weight, ids.reshape(-1), lengths, n).view(b, n)
+
+
+def _sparse_values(
+    hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor, lengths: torch.Tensor, longest: int
+) -> torch.Tensor:
+    """``[sum(lengths)]`` logits of row ``b``'s ``lengths[b]`` ids, which follow each other in ``cols`` row
+    after row (``longest``: the largest length)."""
+    b = lengths.numel()
+    parts = _row_parts(b, longest)
+    crow = torch.zeros(b + 1, dtype=torch.int64, device=cols.device)
+    torch.cumsum(lengths, 0, out=crow[1:])
+    if parts > 1:  # row r's ids in `parts` consecutive CSR rows, each with a copy of hidden[r]: the same dot products
+        starts = crow[:-1].view(b, 1) + torch.arange(parts, device=cols.device) * lengths.view(b, 1) // parts
+        crow = torch.cat([starts.reshape(-1), crow[-1:]])
         hidden = hidden.repeat_interleave(parts, dim=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pattern = torch.sparse_csr_tensor(
             crow,
-            ids.reshape(-1),
-            torch.zeros(b * n, dtype=weight.dtype, device=ids.device),
+            cols,
+            torch.zeros(cols.numel(), dtype=weight.dtype, device=cols.device),
             size=(b * parts, weight.shape[0]),
             check_invariants=False,
         )
         out = torch.sparse.sampled_addmm(pattern, hidden, weight.t(), beta=0.0, alpha=1.0)
-    return out.values().view(b, n)
+    return out.values()
+
+
+def _candidates_sparse(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, cap: int) -> torch.Tensor:
+    """:func:`_logits_sparse` of the candidates ``ids`` (``[B, P*cap]``, ``cap`` slots per probed cluster),
+    scoring a cluster's padding slots only when they are few.
+
+    ``build_members`` pads a cluster to ``cap`` by repeating its first member, so a slot after the first
+    that holds the slot-0 token is padding, and its logit is slot 0's.  A vocabulary shard's clusters hold
+    from none to all of their members (about half of ``cap`` on average at tensor parallel 2): when an
+    eighth or more of the slots are padding, only the others are scored and the padding copies slot 0's
+    value, so the logits are the same, bit for bit, at the cost of the real members alone."""
+    b = ids.shape[0]
+    slots = ids.view(b, -1, cap)
+    kept = slots != slots[..., :1]
+    kept[..., 0] = True
+    lengths = kept.view(b, -1).sum(1)
+    if int(lengths.sum()) * 8 >= ids.numel() * 7:
+        return _logits_sparse(hidden, weight, ids)
+    values = _sparse_values(hidden, weight, slots[kept], lengths, int(lengths.max()))
+    out = torch.empty(slots.shape, dtype=weight.dtype, device=ids.device).masked_scatter_(kept, values)
+    return torch.where(kept, out, out[..., :1]).view(b, -1)
 
 
 def _logits_gather(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -145,8 +179,9 @@ def _logits_grouped(
     The pattern is ``[V', B]``: head row ``v`` holds the batch rows that probe ``v``'s cluster, so
     ``sampled_addmm(pattern, weight, hidden.T)`` reads each probed head row once.  Built without a sort
     over the candidates: the ``(row, probe)`` pairs are ordered by cluster (``B * P`` entries), and
-    each head row takes its cluster's list of rows.  Needs every cluster non-empty (a padded slot
-    repeats a member of its own cluster).
+    each head row takes its cluster's list of rows.  A padded slot repeats a member of its own cluster;
+    an empty cluster (a vocabulary shard holds none of its members) holds token 0, of another cluster,
+    whose logit is scored apart for the rows that probe one.
     """
     b, p = probes.shape
     cap = members.shape[1]
@@ -175,8 +210,16 @@ def _logits_grouped(
             check_invariants=False,
         )
         values = torch.sparse.sampled_addmm(pattern, weight, hidden.t(), beta=0.0, alpha=1.0).values()
-    index = crow[members[probes]] + rank.view(b, p, 1)  # [B, P, cap]: each candidate's place in ``values``
-    return values[index.reshape(b, p * cap)]
+    slots = members[probes]
+    index = crow[slots] + rank.view(b, p, 1)  # [B, P, cap]: each candidate's place in ``values``
+    empty = token_cluster[slots[..., 0]] != probes  # [B, P]: the probe is an empty cluster
+    if not bool(empty.any()):
+        return values[index.reshape(b, p * cap)]
+    # Their slots take token 0's logit, from the same kernel as the row-by-row path (bit for bit), put after
+    # ``values`` (the index of an empty cluster's slots is meaningless).
+    zero = _logits_sparse(hidden, weight, torch.zeros((b, 1), dtype=torch.int64, device=device))
+    index = torch.where(empty.unsqueeze(-1), nnz + torch.arange(b, device=device).view(b, 1, 1), index)
+    return torch.cat([values, zero.view(b)])[index.reshape(b, p * cap)]
 
 
 def candidate_logits(
@@ -206,7 +249,7 @@ def candidate_logits(
     if ids.shape[1] <= weight.shape[0] and _sparse_supported(weight.dtype):
         if token_cluster is not None and ids.shape[0] >= _GROUPED_MIN_ROWS:
             return ids, _logits_grouped(hidden.contiguous(), weight, members, probes, token_cluster)
-        return ids, _logits_sparse(hidden.contiguous(), weight, ids)
+        return ids, _candidates_sparse(hidden.contiguous(), weight, ids, members.shape[1])
     return ids, _logits_blocked(hidden, weight, ids)
 
 

@@ -70,14 +70,24 @@ def test_grouped_path_breaks_when_the_index_map_is_wrong(monkeypatch):
     assert not torch.equal(good, bad)
 
 
-def test_a_head_with_an_empty_cluster_scores_row_by_row():
-    weight = torch.randn(40, 8)
-    assignments = torch.arange(32) % 3  # cluster 3 has no member (a vocabulary shard under TP)
-    head = FlashHead(weight, torch.randn(4, 8), assignments, n_probes=2, allow_empty_clusters=True)
-    assert head._token_cluster is None
-    hidden = torch.randn(5, 8)
-    ids, logits = head.candidate_logits(hidden, head.select_probes(hidden))
-    torch.testing.assert_close(logits, torch.stack([weight[ids[r]] @ hidden[r] for r in range(5)]))
+@pytest.mark.parametrize("rows", [8, 16])
+def test_a_head_with_empty_clusters_scores_a_batch_cluster_by_cluster_with_the_same_logits(monkeypatch, rows):
+    """A vocabulary shard holds none of some clusters' members (their slots hold token 0, of another cluster):
+    the rows that probe one get token 0's logit there, as row by row."""
+    weight = torch.randn(40, 8, generator=torch.Generator().manual_seed(3))
+    assignments = torch.arange(32) % 3  # clusters 3 and 4 have no member
+    head = FlashHead(weight, torch.randn(5, 8), assignments, n_probes=3, allow_empty_clusters=True)
+    hidden = torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows))
+    probes = torch.stack([torch.randperm(5, generator=torch.Generator().manual_seed(r))[:3] for r in range(rows)])
+    assert bool((probes >= 3).any()) and bool((probes == 0).any())  # empty clusters probed, and token 0's own
+    calls = []
+    grouped = torch_ref._logits_grouped
+    monkeypatch.setattr(torch_ref, "_logits_grouped", lambda *a: calls.append(1) or grouped(*a))
+    ids, logits = head.candidate_logits(hidden, probes)
+    assert calls  # scored cluster by cluster
+    _, per_row = _row_by_row(monkeypatch, lambda: head.candidate_logits(hidden, probes))
+    assert torch.equal(logits, per_row)
+    torch.testing.assert_close(logits, torch.stack([weight[ids[r]] @ hidden[r] for r in range(rows)]))
 
 
 def test_dtypes_without_the_sparse_kernel_keep_the_blocked_path():
@@ -156,3 +166,39 @@ def test_a_batch_with_fewer_rows_than_threads_is_cut_for_them_with_the_same_logi
     assert torch.equal(cut, torch_ref._logits_sparse(hidden, weight, ids))
     assert torch.equal(step_cut, head.step_logits(hidden, sampled=np.arange(rows) % 2 == 1))
     torch.testing.assert_close(cut, torch.einsum("bnh,bh->bn", weight[ids], hidden), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_shards_padded_clusters_score_only_their_members_with_the_same_logits(monkeypatch, rows, threads):
+    """A head over one vocabulary shard holds about half of each cluster at TP=2, padded to the largest by
+    repeating the first member: a small batch scores each real member once and copies the padding's values."""
+    from my_pkg.flashhead.clustering import random_balanced_assignment
+
+    vocab, shard = 1024, 512
+    weight = torch.randn(vocab, HIDDEN, generator=torch.Generator().manual_seed(9))
+    assignments = random_balanced_assignment(vocab, 16, seed=2)
+    clusters = int(assignments.max()) + 1
+    head = FlashHead(
+        weight[:shard],
+        torch.randn(clusters, HIDDEN, generator=torch.Generator().manual_seed(4)),
+        assignments[:shard],
+        vocab_size=shard,
+        n_probes=9,
+        allow_empty_clusters=True,
+    )
+    hidden = _hidden(rows, seed=11)
+    probes = head.select_probes(hidden)
+    members = torch.bincount(assignments[:shard], minlength=clusters).clamp(min=1)[probes].sum(1)
+    assert int(members.sum()) * 8 < 7 * probes.numel() * head.cluster_size  # mostly padding: the compact path
+    monkeypatch.setattr(torch_ref, "_MIN_IDS_PER_PART", 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    scored = []
+    values = torch_ref._sparse_values
+    monkeypatch.setattr(torch_ref, "_sparse_values", lambda h, w, c, *a: scored.append(c) or values(h, w, c, *a))
+    ids, logits = head.candidate_logits(hidden, probes)
+    (cols,) = scored
+    assert cols.numel() == int(members.sum())  # each real member once, no padding slot
+    padded = torch_ref._logits_sparse(hidden, head.weight, ids)
+    assert torch.equal(logits, padded)  # bit for bit
+    torch.testing.assert_close(logits, torch.einsum("bnh,bh->bn", head.weight[ids], hidden), rtol=1e-5, atol=1e-5)

@@ -86,6 +86,7 @@ def test_serving_fidelity_matches_a_direct_computation():
         assert s.tv_distance == pytest.approx(float(tv), rel=1e-4)
         rank_rows = math.ceil(head.sampled_rank * (24 + 320) / 24)  # the residual term, in rows of the head
         rescored = head.sampled_rescore  # the best-estimated tail tokens, scored exactly
+        assert (result.sampled_rank, result.sampled_rescore) == (head.sampled_rank, rescored) and rank_rows
         assert head.sampled_n_probes == 0  # no stage 1: neither centroids nor candidates
         assert s.scored_fraction == pytest.approx((1 + rank_rows + rescored) / 320)
         assert 0.0 < s.tv_distance < 1.0

@@ -4,8 +4,9 @@ Issue targets, on held-out states the model and the calibration never saw, at th
 `my-pkg flashhead build` writes (with `--calibration-hidden` on the fixture's calibration states, and
 weight-only) and serving's defaults for sampled rows, measured by `my-pkg flashhead eval --json`:
 total-variation distance to the dense sampling distribution <= 0.01 at temperature 0.7 / top_p 0.9 and
-<= 0.02 at temperature 1.0, with sampled rows scoring <= 17% of the head's rows (no stage 1: the estimate and the
-tokens it ranks best); greedy rows unchanged.
+<= 0.02 at temperature 1.0, with sampled rows scoring <= 15% of the head's rows with the fitted estimate (no
+stage 1: the estimate and the tokens it ranks best; the weight-only estimate pays more to meet the TV targets);
+greedy rows unchanged.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from .conftest import write_checkpoint
 
 TV_TARGETS = {(0.7, 0.9): 0.01, (1.0, 1.0): 0.02, (1.0, 0.95): 0.02}
 # What a sampled row scores (the estimate's r * (H + V) multiply-adds counted in rows of H, the tokens it ranks
-# best and the pinned ids): at this fixture's narrow H = 256 the rank-32 estimate alone counts 13 % of V (at
-# 128,256 x 2,048 the rank-64 one counts 3 %). Probing the greedy rows' clusters as well, as sampled rows did
-# before, scores about 25 %.
-SAMPLED_BUDGET = {"calibrated": 0.17, "weight-only": 0.20}
+# best and the pinned ids): with the fitted estimate the head lowers its rank to stay within the issue's 15 %
+# (29 instead of ceil(H / 8) = 32 at this fixture's narrow H = 256; at 128,256 x 2,048 the rank-64 estimate
+# counts 3 %); the weight-only one keeps rank 32 and scores V / 16 tokens exactly. Probing the greedy rows'
+# clusters as well, as sampled rows did before, scores about 25 %.
+SAMPLED_BUDGET = {"calibrated": 0.15, "weight-only": 0.20}
 
 
 @pytest.fixture(scope="module")

@@ -279,3 +279,20 @@ def test_a_fitted_estimate_gets_v_over_32_exact_tokens_and_every_cluster_probed_
     assert head.sampled_n_probes == head.num_clusters
     hidden = _hidden(3)
     torch.testing.assert_close(head.step_logits(hidden, sampled=np.ones(3, bool)), head.dense_logits(hidden))
+
+
+def test_a_fitted_estimate_lowers_its_rank_to_keep_a_sampled_row_within_the_budget():
+    from my_pkg.flashhead.head import SAMPLED_ROW_BUDGET, default_sampled_rank
+    from my_pkg.flashhead.tail_estimate import fit_tail_factors
+
+    assert default_sampled_rank(128_256, 2048, fitted_rank=64) == 64  # the budget never binds at 2,048-wide heads
+    assert default_sampled_rank(8192, 256, fitted_rank=32) == 29  # the trained fixture: ceil(256 / 8) = 32 is over
+    assert default_sampled_rank(8192, 256) == 32  # weight-only: ceil(H / 8)
+    assert default_sampled_rank(8192, 256, fitted_rank=16) == 32  # factors shorter than that: weight-only too
+    factors = fit_tail_factors(_head().weight, VOCAB, default_tail_rank(HIDDEN), _hidden(64, seed=5))
+    head = _head(n_probes=3, tail_factors=factors)
+    assert factors.rank == 5 and head.sampled_rank == 3 and head.tail_fitted
+    assert head.scored_rows_per_step(sampled=True) <= SAMPLED_ROW_BUDGET * VOCAB
+    head.sampled_rank = factors.rank  # what the default was: over the budget at this narrow head
+    assert head.scored_rows_per_step(sampled=True) > SAMPLED_ROW_BUDGET * VOCAB
+    assert _head(n_probes=3).sampled_rank == 5  # weight-only
