@@ -43,6 +43,10 @@ _CPU_GATHER_BLOCK_BYTES = 16 << 20
 # Fewest ids in a piece of a row when a small batch's rows are cut for the threads (`_row_parts`).
 _MIN_IDS_PER_PART = 256
 
+# Share of a small batch's candidate slots that are padding from which only the real members are scored
+# (`_candidates_sparse`): a vocabulary shard's clusters under tensor parallelism.
+_SKIP_PADDING_SHARE = 1 / 8
+
 # Smallest batch scored cluster by cluster: below it the rows share few candidates, and the grouped
 # pattern costs a few passes over the head's rows to build (about 2 ms at 128,256 rows, one thread).
 _GROUPED_MIN_ROWS = 8
@@ -129,15 +133,15 @@ def _candidates_sparse(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Te
 
     ``build_members`` pads a cluster to ``cap`` by repeating its first member, so a slot after the first
     that holds the slot-0 token is padding, and its logit is slot 0's.  A vocabulary shard's clusters hold
-    from none to all of their members (about half of ``cap`` on average at tensor parallel 2): when an
-    eighth or more of the slots are padding, only the others are scored and the padding copies slot 0's
+    from none to all of their members (about half of ``cap`` on average at tensor parallel 2): when more
+    than ``_SKIP_PADDING_SHARE`` of the slots are padding, only the others are scored and the padding copies slot 0's
     value, so the logits are the same, bit for bit, at the cost of the real members alone."""
     b = ids.shape[0]
     slots = ids.view(b, -1, cap)
     kept = slots != slots[..., :1]
     kept[..., 0] = True
     lengths = kept.view(b, -1).sum(1)
-    if int(lengths.sum()) * 8 >= ids.numel() * 7:
+    if ids.numel() - int(lengths.sum()) <= _SKIP_PADDING_SHARE * ids.numel():
         return _logits_sparse(hidden, weight, ids)
     values = _sparse_values(hidden, weight, slots[kept], lengths, int(lengths.max()))
     out = torch.empty(slots.shape, dtype=weight.dtype, device=ids.device).masked_scatter_(kept, values)
