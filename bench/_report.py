@@ -119,6 +119,12 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def add_head_shape_options(parser: argparse.ArgumentParser) -> None:
+    """``--hidden`` and ``--vocab`` of the random head, by default 2,048 x 128,256 (Llama-3.2-1B's head)."""
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+
+
 def add_timing_options(parser: argparse.ArgumentParser) -> None:
     """``--threads``, ``--repeats`` (calls per measurement) and ``--rounds`` (paired rounds)."""
     parser.add_argument("--threads", type=int, default=None, help="default: torch's (every core)")

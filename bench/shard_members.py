@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
-from bench._report import add_timing_options, int_list, median_ms, start_timing
+from bench._report import add_head_shape_options, add_timing_options, int_list, median_ms, start_timing
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.kernels import torch_ref
@@ -119,8 +119,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=128256)
+    add_head_shape_options(ap)
     ap.add_argument("--tp", type=int_list, default=[2, 4, 8])
     ap.add_argument("--batches", type=int_list, default=[1, 4, 8, 32])
     add_timing_options(ap)

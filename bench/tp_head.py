@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from bench._report import command_line, int_list, machine_description, write_section
+from bench._report import add_head_shape_options, command_line, int_list, machine_description, write_section
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.probes import ShardStage1, merge_probes
@@ -297,8 +297,7 @@ def to_markdown(results: dict, model: list[dict], shape: dict, machine: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=128256)
+    add_head_shape_options(ap)
     ap.add_argument("--batches", type=int_list, default=[1, 8])
     ap.add_argument("--n-probes", type=int, default=None, help="default: the builder's (about 1/32 of the clusters)")
     ap.add_argument("--rounds", type=int, default=7, help="paired rounds per batch")
