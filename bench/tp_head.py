@@ -169,6 +169,7 @@ def _rank(rank: int, world: int, port: int, work: str, args: argparse.Namespace,
             tp2 = {
                 "gather": partial(_gather, logits, world),
                 "stage1": lambda h=h: _gather(stage1.keys(h, args.n_probes), world),
+                "exchange": partial(_gather, stage1.keys(h, args.n_probes), world),
                 "dense": lambda h=h: _gather(F.linear(h, shard), world),
                 "flash": partial(_flash_split, head, stage1, h, args.n_probes, world),
                 "unsplit": lambda h=h: _gather(head.step_logits(h), world),
@@ -241,7 +242,9 @@ def to_markdown(results: dict, model: list[dict], shape: dict, machine: str) -> 
         "`F.linear` over the rank's shard + the logits all-gather; FlashHead = its centroid share, the key "
         "all-gather, the merged probes, `step_logits` on its shard + the same logits all-gather; unsplit = "
         "every rank scoring all centroids, no key exchange (before). TP=1: rank 0 alone, one thread, over the "
-        "whole head (dense `F.linear`, FlashHead `step_logits`), while rank 1 waits. "
+        "whole head (dense `F.linear`, FlashHead `step_logits`), while rank 1 waits. Key exchange alone = the "
+        "all-gather of keys computed beforehand, after the same barrier (the collective's latency and the ranks' "
+        "skew). "
         f"Clock: {CLOCK_TEXT[shape['clock']]}. "
         f"{shape['rounds']} rounds of {shape['repeats']} calls each (median): in each round TP=2 dense, FlashHead "
         "and unsplit, then TP=1 dense and FlashHead, so TP=1 and TP=2 are paired in the same minutes; speed-up "
@@ -250,8 +253,8 @@ def to_markdown(results: dict, model: list[dict], shape: dict, machine: str) -> 
         "",
         "| batch | TP=1 dense ms | TP=1 FlashHead ms | TP=1 speed-up | TP=2 dense ms | TP=2 FlashHead ms "
         "| TP=2 speed-up | **TP=2 / TP=1** | unsplit / TP=1 (before) | stage 1 + key exchange ms "
-        "| logits gather ms | split probes = full stage 1 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| key exchange alone ms | logits gather ms | split probes = full stage 1 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for batch, t in results.items():
         one, two, unsplit = (
@@ -265,7 +268,8 @@ def to_markdown(results: dict, model: list[dict], shape: dict, machine: str) -> 
             f"| {batch} | {statistics.median(t['tp1_dense']):.1f} | {statistics.median(t['tp1_flash']):.2f} | "
             f"{_spread(one, 'x')} | {statistics.median(t['dense']):.1f} | {statistics.median(t['flash']):.2f} | "
             f"{_spread(two, 'x')} | **{_spread(paired)}** | {_spread(before)} | "
-            f"{statistics.median(t['stage1']):.2f} | {statistics.median(t['gather']):.2f} | {t['same_probes']} |"
+            f"{statistics.median(t['stage1']):.2f} | {statistics.median(t['exchange']):.2f} | "
+            f"{statistics.median(t['gather']):.2f} | {t['same_probes']} |"
         )
     out += [
         "",
