@@ -8,7 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from e2e_support import ADMIN_TOKEN, DEFAULT_PROBES, NUM_CLUSTERS, auth, client
+from e2e_support import ADMIN_TOKEN, DEFAULT_PROBES, MODEL_SPEC, NUM_CLUSTERS, auth, client
+
+from my_pkg.flashhead.head import SAMPLED_ROW_BUDGET, default_sampled_rank
+from my_pkg.flashhead.tail_estimate import default_tail_rank
 
 pytestmark = pytest.mark.e2e
 
@@ -87,6 +90,13 @@ def test_default_probes_serve_greedy_and_sampled_requests(fh, flashhead_server):
     assert status["sampled_n_probes"] == 0
     fitted = status["sampled_estimate"] == "fitted"
     assert status["sampled_rescore"] == -(-status["vocab_size"] // (32 if fitted else 16)), status
+    # A fitted estimate's rank is lowered to keep a sampled row within 15 % of the head's rows (14 of 16 here).
+    hidden, vocab = MODEL_SPEC.hidden_size, status["vocab_size"]
+    fitted_rank = default_tail_rank(hidden) if fitted else 0
+    assert status["sampled_rank"] == default_sampled_rank(vocab, hidden, fitted_rank=fitted_rank), status
+    if fitted:
+        estimate_rows = status["sampled_rank"] * (hidden + vocab) / hidden
+        assert estimate_rows + status["sampled_rescore"] <= SAMPLED_ROW_BUDGET * vocab, status
     before = status["counters"]["rows_flashhead"]
     greedy = _complete_all(fh, flashhead_server.model, PROMPTS[:3])
     sampled = _complete_all(

@@ -479,6 +479,24 @@ def test_the_status_says_which_estimate_sampled_rows_get(weight, tmp_path):
     assert plain.status().sampled_estimate == "weight_only"
 
 
+def test_the_served_rank_keeps_a_fitted_estimates_sampled_row_within_the_budget(weight):
+    """The controller hands the head the rank `default_sampled_rank` gives its shard, and reports it before the
+    head is built too: 3 of the fitted factors' 4 at this narrow head, the weight-only estimate's 4."""
+    from my_pkg.flashhead.head import default_sampled_rank
+    from my_pkg.flashhead.tail_estimate import fit_tail_factors
+
+    assignments = torch.arange(VOCAB) % CLUSTERS
+    centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(CLUSTERS)])
+    factors = fit_tail_factors(weight, VOCAB, 4, torch.randn(100, HIDDEN))
+    for tail, rank in ((factors, 3), (None, 4)):
+        ctl = FlashHeadController(
+            centroids=centroids, assignments=assignments, config={"n_probes": 4}, vocab_size=VOCAB, tail_factors=tail
+        )
+        assert ctl.status().sampled_rank == rank == default_sampled_rank(VOCAB, HIDDEN, fitted_rank=4 if tail else 0)
+        ctl.bind(weight)
+        assert ctl.head.sampled_rank == ctl.status().sampled_rank == rank
+
+
 def _bf16_controller(weight: torch.Tensor) -> FlashHeadController:
     assignments = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0)) % CLUSTERS
     centroids = torch.stack([weight[:VOCAB][assignments == c].float().mean(0) for c in range(CLUSTERS)])
