@@ -530,6 +530,7 @@ def _eval(args) -> int:
         sampled_n_probes=settings.sampled_n_probes,
         sampled_rank=rank,
         tail_factors=load_tail_factors(args.model_dir, config),
+        cluster_rows=settings.cluster_rows,
     )
     if args.probes is not None:
         probes = sorted({min(p, head.num_clusters) for p in args.probes})

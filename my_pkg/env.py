@@ -162,6 +162,13 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar("MY_PKG_FLASHHEAD_BACKEND", "auto", choice("auto", "torch", "triton"), "auto, torch or triton", _ENGINE),
         EnvVar(
+            "MY_PKG_FLASHHEAD_CLUSTER_ROWS",
+            True,
+            flag,
+            "0: a CPU head scores its candidates from the LM head itself, without a copy of its rows in cluster order",
+            _ENGINE,
+        ),
+        EnvVar(
             "MY_PKG_FLASHHEAD_FIDELITY_EVERY",
             100,
             integer(0),

@@ -2,8 +2,8 @@
 
 Stage 1 scores the ``C`` cluster centroids (``hidden @ centroids.T``) and keeps the ``P`` best
 probes; stage 2 computes the exact logits of the ``P * cluster_size`` member rows of the
-probed clusters, reading them from the original head weight through the cluster map
-(no permuted copy of the head is made).
+probed clusters, reading them through the cluster map from the head weight on an accelerator,
+and from a copy of its rows in cluster order on CPU (:mod:`~my_pkg.flashhead.cluster_rows`).
 
 :meth:`FlashHead.step_logits` builds what serving hands to the sampler for one decode step:
 
@@ -33,6 +33,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .cluster_rows import ClusterRows, cluster_rows_for
 from .kernels import load_backend, resolve_backend, torch_ref
 from .layout import hidden_major
 from .probes import select_probes as top_probes
@@ -178,6 +179,9 @@ class FlashHead:
             ``"torch"``, ``"triton"``); ``auto`` takes Triton for CUDA tensors when it imports, else torch.
         allow_empty_clusters: accept clusters without a member (a head over one vocabulary shard
             of a tensor-parallel model, with the global centroids and the shard's assignments).
+        cluster_rows: score candidates from a copy of the head's rows in cluster order
+            (:mod:`~my_pkg.flashhead.cluster_rows`: the same logits, read in runs; one more copy of the
+            token rows).  CPU only; default: on a CPU head scored by the torch backend.
 
     All methods accept any batch ``B >= 1``; on an accelerator they do no host synchronisation.
     """
@@ -195,6 +199,7 @@ class FlashHead:
         sampled_rank: int | None = None,
         allow_empty_clusters: bool = False,
         tail_factors: TailFactors | None = None,
+        cluster_rows: bool | None = None,
     ) -> None:
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
@@ -218,11 +223,20 @@ class FlashHead:
         self.vocab_size = v
         self.hidden_size = weight.shape[1]
         self.backend = resolve_backend(backend, weight.device.type)
+        if cluster_rows is None:
+            cluster_rows = weight.device.type == "cpu" and self.backend == "torch"
+        elif cluster_rows and weight.device.type != "cpu":
+            raise ValueError("cluster_rows is for a CPU head (its check of the copy reads a comparison back)")
+        assigned = assignments.detach().to(weight.device, torch.int64)
+        #: The candidates' rows in cluster order (None: scored from ``weight`` itself).
+        self.cluster_rows: ClusterRows | None = (
+            cluster_rows_for(weight, assigned, self.members) if cluster_rows else None
+        )
         # Each head row's cluster (C: none, e.g. padding rows): lets a CPU batch be scored cluster by cluster.
         self._token_cluster: torch.Tensor | None = None
-        if weight.device.type == "cpu":
+        if weight.device.type == "cpu" and self.cluster_rows is None:
             token_cluster = torch.full((weight.shape[0],), c, dtype=torch.int64)
-            token_cluster[:v] = assignments.detach().to("cpu", torch.int64)
+            token_cluster[:v] = assigned
             self._token_cluster = token_cluster
         self._n_probes = 1
         self.n_probes = n_probes
@@ -310,12 +324,13 @@ class FlashHead:
 
     @property
     def extra_memory_bytes(self) -> int:
-        """Bytes held beyond the shared head weight (centroids + cluster map, and once a sampled
-        row has been served the estimate's tables: ``r`` values per token)."""
+        """Bytes held beyond the shared head weight (centroids + cluster map, the rows in cluster order on
+        CPU, and once a sampled row has been served the estimate's tables: ``r`` values per token)."""
         return (
             self.centroids.numel() * self.centroids.element_size()
             + self.members.numel() * self.members.element_size()
             + (self._token_cluster.numel() * 8 if self._token_cluster is not None else 0)
+            + (self.cluster_rows.nbytes if self.cluster_rows is not None else 0)
             + (self._tail.nbytes if self._tail is not None else 0)
         )
 
@@ -339,9 +354,40 @@ class FlashHead:
         hidden = self._check_hidden(hidden)
         if probes is None:
             probes = self.select_probes(hidden, **select_kw)
-        return self._kernels().candidate_logits(
-            hidden, self.weight, self.members, probes, token_cluster=self._token_cluster
+        self._refresh_rows()
+        return self._candidate_logits(hidden, probes)
+
+    def _refresh_rows(self) -> None:
+        if self.cluster_rows is not None:
+            self.cluster_rows.refresh()
+
+    def _candidate_logits(
+        self, hidden: torch.Tensor, probes: torch.Tensor, extra_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backend's ``candidate_logits`` (token ids and their exact logits), from the rows in cluster order
+        when the head has them."""
+        rows = self.cluster_rows
+        if rows is None:
+            return self._kernels().candidate_logits(
+                hidden, self.weight, self.members, probes, token_cluster=self._token_cluster, extra_ids=extra_ids
+            )
+        _, logits = self._kernels().candidate_logits(
+            hidden,
+            rows.rows,
+            rows.slots,
+            probes,
+            token_cluster=rows.token_cluster,
+            extra_ids=None if extra_ids is None else rows.row_of[extra_ids],
         )
+        ids = torch_ref.candidate_ids(self.members, probes)
+        return (ids if extra_ids is None else torch.cat([ids, extra_ids], dim=1)), logits
+
+    def _token_logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[B, N]`` exact logits of any token ids ``[B, N]``."""
+        rows = self.cluster_rows
+        if rows is None:
+            return torch_ref.token_logits(hidden, self.weight, ids)
+        return torch_ref.token_logits(hidden, rows.rows, rows.row_of[ids])
 
     def step_logits(
         self,
@@ -376,6 +422,7 @@ class FlashHead:
         first sampled row, which builds the estimate's tables once.
         """
         hidden = self._check_hidden(hidden)
+        self._refresh_rows()
         num_rows = hidden.shape[0]
         post = postprocess if postprocess is not None else _identity
         mask = _host_mask(sampled, num_rows)
@@ -435,7 +482,6 @@ class FlashHead:
     ) -> torch.Tensor:
         """Step logits before the pinned ids, each row probing the clusters ``probes``; ``sampled`` marks the
         sampled rows (None: none)."""
-        kernels = self._kernels()
         if sampled is not None and bool(sampled.all()) and self._sampled_rank:
             # Every row samples: its rescored tail tokens are scored in the candidates' pass over the head.
             raw = self._tail_tables().estimates(hidden)
@@ -443,15 +489,11 @@ class FlashHead:
             if probes.shape[1] == 0:  # no candidates: the estimate chose every exact token
                 if rescored is None:
                     return post(raw).to(self.weight.dtype)
-                ids, exact = rescored, torch_ref.token_logits(hidden, self.weight, rescored)
+                ids, exact = rescored, self._token_logits(hidden, rescored)
             else:
-                ids, exact = kernels.candidate_logits(
-                    hidden, self.weight, self.members, probes, token_cluster=self._token_cluster, extra_ids=rescored
-                )
+                ids, exact = self._candidate_logits(hidden, probes, extra_ids=rescored)
             return post(raw).to(exact.dtype).scatter_(1, ids, post(exact))
-        ids, exact = kernels.candidate_logits(
-            hidden, self.weight, self.members, probes, token_cluster=self._token_cluster
-        )
+        ids, exact = self._candidate_logits(hidden, probes)
         exact = post(exact)
         out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device)
         if sampled is not None and self._sampled_rank:
@@ -486,7 +528,7 @@ class FlashHead:
         ids = torch.empty((hidden.shape[0], width), dtype=torch.int64, device=hidden.device)
         for index, part in ((greedy, candidates), (rows_sampled, best)):
             ids.index_copy_(0, index, torch.cat([part, part[:, -1:].expand(-1, width - part.shape[1])], 1))
-        exact = post(torch_ref.token_logits(hidden, self.weight, ids))
+        exact = post(self._token_logits(hidden, ids))
         out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device)
         out.index_copy_(0, rows_sampled, post(raw).to(exact.dtype))
         return out.scatter_(1, ids, exact)
@@ -508,7 +550,7 @@ class FlashHead:
         best = self._rescored(raw, ids)
         out = post(raw).to(dtype)
         if best is not None:
-            out.scatter_(1, best, post(torch_ref.token_logits(hidden, self.weight, best)).to(dtype))
+            out.scatter_(1, best, post(self._token_logits(hidden, best)).to(dtype))
         return out
 
     def scored_rows_per_step(self, *, sampled: bool, pinned: int = 0) -> int:

@@ -42,6 +42,7 @@ class FlashHeadSettings:
     sampled_n_probes: int | None  # clusters a sampled row probes; None: default_sampled_n_probes
     sampled_rank: int | None  # rank of the residual term of sampled rows' estimates; None: the head's default
     backend: str
+    cluster_rows: bool | None  # the head's `cluster_rows`: None where it helps (a CPU head), False never
     fidelity_every: int  # check one FlashHead row in this many against the dense head; 0 = off
 
 
@@ -69,6 +70,7 @@ def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashH
         sampled_n_probes=_sampled_probes_from_env(num_clusters),
         sampled_rank=env.MY_PKG_FLASHHEAD_SAMPLED_RANK,
         backend=env.MY_PKG_FLASHHEAD_BACKEND,
+        cluster_rows=None if env.MY_PKG_FLASHHEAD_CLUSTER_ROWS else False,
         fidelity_every=env.MY_PKG_FLASHHEAD_FIDELITY_EVERY,
     )
 

@@ -219,6 +219,7 @@ class FlashHeadController:
                 allow_empty_clusters=vocab_range is not None,
                 n_probes=self.settings.n_probes,
                 backend=self.settings.backend,
+                cluster_rows=self.settings.cluster_rows,
                 sampled_n_probes=self.settings.sampled_n_probes,
                 sampled_rank=self._sampled_rank(weight.shape[1], end - start),
                 tail_factors=self._tail_factors,
@@ -288,7 +289,12 @@ class FlashHeadController:
         is a second head over the same weight, a draft model's one over its own), as the status reports it."""
         own = self.extra_memory_bytes
         drafter = self.draft.extra_memory_bytes if self.draft is not None else None
-        return own if drafter is None else (own or 0) + drafter
+        if drafter is None:
+            return own
+        shared = self.head is not None and self.draft.head is not None and self.head.cluster_rows is not None
+        if shared and self.draft.head.cluster_rows is self.head.cluster_rows:  # one copy for both heads
+            drafter -= self.head.cluster_rows.nbytes
+        return (own or 0) + drafter
 
     # ---- one decode step -------------------------------------------------------------------
 

@@ -219,9 +219,11 @@ def _logits_grouped(
     empty = token_cluster[slots[..., 0]] != probes  # [B, P]: the probe is an empty cluster
     if not bool(empty.any()):
         return values[index.reshape(b, p * cap)]
-    # Their slots take token 0's logit, from the same kernel as the row-by-row path (bit for bit), put after
-    # ``values`` (the index of an empty cluster's slots is meaningless).
-    zero = _logits_sparse(hidden, weight, torch.zeros((b, 1), dtype=torch.int64, device=device))
+    # Their slots take the logit of the row they repeat (token 0's, the same for every empty cluster), from the
+    # same kernel as the row-by-row path (bit for bit), put after ``values`` (the index of an empty cluster's
+    # slots is meaningless).
+    filler = slots[..., 0][empty][:1].view(1, 1).expand(b, 1)
+    zero = _logits_sparse(hidden, weight, filler)
     index = torch.where(empty.unsqueeze(-1), nnz + torch.arange(b, device=device).view(b, 1, 1), index)
     return torch.cat([values, zero.view(b)])[index.reshape(b, p * cap)]
 

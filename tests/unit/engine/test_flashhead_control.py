@@ -168,6 +168,28 @@ def test_extra_memory_counts_the_linked_drafters_head_too(weight, controller):
     assert controller.status().extra_memory_bytes == alone + drafter.extra_memory_bytes
 
 
+def test_a_drafters_head_sharing_the_targets_copy_of_its_rows_counts_it_once(weight):
+    target = _pinned_controller(weight, [3])
+    alone = target.status().extra_memory_bytes
+    drafter = _pinned_controller(weight, [3])  # an EAGLE drafter's head: the same LM head, the same assets
+    assert drafter.head.cluster_rows is target.head.cluster_rows
+    target.draft = drafter
+    assert target.status().extra_memory_bytes == alone + drafter.extra_memory_bytes - drafter.head.cluster_rows.nbytes
+
+
+def test_cluster_rows_off_builds_the_head_without_its_copy(weight, monkeypatch):
+    copied = _pinned_controller(weight, [3])
+    assert copied.head.cluster_rows is not None
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_CLUSTER_ROWS", "0")
+    direct = _pinned_controller(weight, [3])
+    assert direct.head.cluster_rows is None
+    assert direct.status().extra_memory_bytes < copied.status().extra_memory_bytes - VOCAB * HIDDEN * 4
+    hidden = torch.randn(3, HIDDEN)
+    rows = _rows([0, 0, 0], sampled=[False, True, False])
+    same = [ctl.compute_logits(hidden, rows, _dense(weight), lambda x: x) for ctl in (copied, direct)]
+    assert torch.equal(*same)
+
+
 def test_apply_takes_effect_on_the_head(controller):
     controller.apply(FlashHeadUpdate(n_probes=7))
     assert controller.head.n_probes == 7
@@ -379,6 +401,9 @@ def _mixed_steps(ctl, weight, device):
 
 def test_a_step_never_makes_the_host_wait(weight, monkeypatch, _refuse_blocking_uploads):
     monkeypatch.setenv("MY_PKG_FLASHHEAD_FIDELITY_EVERY", "2")
+    # As an accelerator's head: without the copy of its rows in cluster order, which only a CPU head keeps (and
+    # checks against the weight, one row read back per step: on CPU there is no device to wait for).
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_CLUSTER_ROWS", "0")
     ctl = _pinned_controller(weight, [2, 5], n_probes=2)  # built and warmed up: the sampled tables exist
     with _NoHostWait():
         _mixed_steps(ctl, weight, weight.device)

@@ -59,26 +59,35 @@ def test_step_logits_of_a_batch_equal_the_row_by_row_path_bit_for_bit(monkeypatc
         torch.testing.assert_close(got[row][finite], alone[finite], rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_path_breaks_when_the_index_map_is_wrong(monkeypatch):
+@pytest.mark.parametrize("cluster_rows", [True, False])
+def test_grouped_path_breaks_when_the_index_map_is_wrong(monkeypatch, cluster_rows):
     # The comparison above can fail: a wrong cluster map gives other values.
-    head = _head()
+    head = _head(cluster_rows=cluster_rows)
     hidden = _hidden(8)
     probes = head.select_probes(hidden)
     _, good = head.candidate_logits(hidden, probes)
-    head._token_cluster = torch.roll(head._token_cluster, 1)
+    if cluster_rows:
+        head.cluster_rows.token_cluster = torch.roll(head.cluster_rows.token_cluster, 1)
+    else:
+        head._token_cluster = torch.roll(head._token_cluster, 1)
     _, bad = head.candidate_logits(hidden, probes)
     assert not torch.equal(good, bad)
 
 
+@pytest.mark.parametrize("cluster_rows", [True, False])
 @pytest.mark.parametrize("rows", [8, 16])
-def test_a_head_with_empty_clusters_scores_a_batch_cluster_by_cluster_with_the_same_logits(monkeypatch, rows):
+def test_a_head_with_empty_clusters_scores_a_batch_cluster_by_cluster_with_the_same_logits(
+    monkeypatch, rows, cluster_rows
+):
     """A vocabulary shard holds none of some clusters' members (their slots hold token 0, of another cluster):
     the rows that probe one get token 0's logit there, as row by row."""
     weight = torch.randn(40, 8, generator=torch.Generator().manual_seed(3))
     assignments = torch.arange(32) % 3  # clusters 3 and 4 have no member
-    head = FlashHead(weight, torch.randn(5, 8), assignments, n_probes=3, allow_empty_clusters=True)
+    head = FlashHead(
+        weight, torch.randn(5, 8), assignments, n_probes=2, allow_empty_clusters=True, cluster_rows=cluster_rows
+    )
     hidden = torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows))
-    probes = torch.stack([torch.randperm(5, generator=torch.Generator().manual_seed(r))[:3] for r in range(rows)])
+    probes = torch.stack([torch.randperm(5, generator=torch.Generator().manual_seed(r))[:2] for r in range(rows)])
     assert bool((probes >= 3).any()) and bool((probes == 0).any())  # empty clusters probed, and token 0's own
     calls = []
     grouped = torch_ref._logits_grouped

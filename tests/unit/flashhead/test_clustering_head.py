@@ -117,11 +117,15 @@ def test_extra_memory_small():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4096, 256, generator=g)
     assign = random_balanced_assignment(4096, 16)
-    head = FlashHead(w, torch.randn(256, 256, generator=g), assign, n_probes=8)
+    head = FlashHead(w, torch.randn(256, 256, generator=g), assign, n_probes=8, cluster_rows=False)
     head_bytes = w.numel() * w.element_size()
     assert head.extra_memory_bytes == 256 * 256 * 4 + 4096 * 8 + 4096 * 8  # centroids, cluster map, row -> cluster
     assert head.extra_memory_bytes <= head_bytes / 8
     assert head.weight.data_ptr() == w.data_ptr()  # a reference, not a copy
+    # By default a CPU head also holds its token rows in cluster order and four [V] int64 maps (that copy's
+    # order, each token's row, the cluster map in its rows, each row's cluster), but no [V'] row -> cluster.
+    copied = FlashHead(w, torch.randn(256, 256, generator=g), assign, n_probes=8)
+    assert copied.extra_memory_bytes == 256 * 256 * 4 + 4096 * 8 + head_bytes + 4 * 4096 * 8
 
 
 def test_bf16_head():

@@ -1,0 +1,109 @@
+"""A cluster-major copy of the head's rows, so that stage 2 on CPU reads each probed cluster in one run.
+
+A cluster's members are scattered over the head (token ids in no particular order), so stage 2 reads
+``P * cap`` rows from as many places; on CPU that ran at about a third of the speed of reading the same
+bytes in order (scattered against cluster-major rows, one decode row, one thread: 3.3 against 0.9 ms at
+262,144 x 640 with 512 probes, 3.9 against 1.4 ms at 128,256 x 2,048 with 251; ``python -m bench.cluster_rows``).
+:class:`ClusterRows` holds the head's ``V`` token rows sorted by cluster (each token once, padding rows
+left out) and the cluster map in that copy's row numbers, so the kernels score a probed cluster from
+consecutive rows and compute every dot product from the same values as over the head itself: the logits
+are the same, bit for bit.
+
+The price is one more copy of the head's token rows (``V * H`` elements, in the head's dtype): made on CPU
+only, where the scattered reads are slow and memory is plentiful (``MY_PKG_FLASHHEAD_CLUSTER_ROWS=0`` turns
+it off); heads over the same weight and cluster map share one copy (an EAGLE drafter's head over the
+target's LM head).  A weight changed in place after the copy was made (an RL loop's weight sync) is
+noticed by :meth:`ClusterRows.refresh`, which compares one row of the copy per call with the head's and
+copies the whole head again when they differ.
+
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+__all__ = ["ClusterRows", "cluster_rows_for"]
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+# Rows between two rows checked by consecutive `refresh` calls: odd and far apart, so that a few calls
+# look at rows spread over the whole head (a prime, so every row is checked once in `V` calls for any V).
+_CHECK_STRIDE = 40_503
+
+
+class ClusterRows:
+    """The ``V`` token rows of ``weight`` in cluster order, and how the cluster map reads them.
+
+    Args:
+        weight: ``[V', H]`` head weight (``V <= V'``; rows from ``V`` on are in no cluster).
+        assignments: ``[V]`` int64 cluster id of each token, on the weight's device.
+        members: ``[C, cap]`` the cluster map in token ids (:func:`~my_pkg.flashhead.head.build_members`).
+
+    Attributes:
+        rows: ``[V, H]`` the copy: row ``i`` is token ``order[i]``'s.
+        slots: ``[C, cap]`` ``members`` in rows of the copy (padding and empty clusters repeat a row, as there).
+        token_cluster: ``[V]`` the cluster of each row of the copy, ascending.
+        row_of: ``[V]`` the row of the copy that holds each token.
+    """
+
+    def __init__(self, weight: torch.Tensor, assignments: torch.Tensor, members: torch.Tensor) -> None:
+        self.order = torch.argsort(assignments, stable=True)
+        self.row_of = torch.empty_like(self.order)
+        self.row_of[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        self.slots = self.row_of[members]
+        self.token_cluster = assignments[self.order]
+        self._assignments = assignments
+        self._weight = weight
+        self.rows = weight.index_select(0, self.order)
+        self._next_check = 0
+
+    @property
+    def nbytes(self) -> int:
+        index_bytes = sum(
+            t.numel() * t.element_size() for t in (self.order, self.row_of, self.slots, self.token_cluster)
+        )
+        return self.rows.numel() * self.rows.element_size() + index_bytes
+
+    def serves(self, weight: torch.Tensor, assignments: torch.Tensor) -> bool:
+        """Whether this copy is the one a head over ``weight`` and ``assignments`` would make."""
+        same_weight = (
+            weight.data_ptr() == self._weight.data_ptr()
+            and weight.shape == self._weight.shape
+            and weight.stride() == self._weight.stride()
+            and weight.dtype == self._weight.dtype
+        )
+        return (
+            same_weight and assignments.shape == self._assignments.shape and torch.equal(assignments, self._assignments)
+        )
+
+    def refresh(self) -> None:
+        """Compare one row of the copy with the head's (a different row each call); copy the head again when
+        they differ: its weight was changed in place since the copy was made."""
+        row = self._next_check
+        self._next_check = (row + _CHECK_STRIDE) % self.rows.shape[0]
+        if torch.equal(self.rows[row], self._weight[self.order[row]]):
+            return
+        logger.warning(
+            "my_pkg: the LM head's weight changed in place; FlashHead copies its rows again (a CPU copy in cluster "
+            "order, MY_PKG_FLASHHEAD_CLUSTER_ROWS)"
+        )
+        torch.index_select(self._weight, 0, self.order, out=self.rows)
+
+
+# Copies alive in this process, by the weight they copy: a second head over the same weight shares its copy.
+_COPIES: weakref.WeakValueDictionary[tuple, ClusterRows] = weakref.WeakValueDictionary()
+
+
+def cluster_rows_for(weight: torch.Tensor, assignments: torch.Tensor, members: torch.Tensor) -> ClusterRows:
+    """The :class:`ClusterRows` of ``weight`` and ``assignments``: the one another head made, else a new one."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, assignments.numel())
+    shared = _COPIES.get(key)
+    if shared is not None and shared.serves(weight, assignments):
+        return shared
+    made = ClusterRows(weight, assignments, members)
+    _COPIES[key] = made
+    return made
