@@ -1,9 +1,9 @@
 """A cluster-major copy of the head's rows, so that stage 2 on CPU reads each probed cluster in one run.
 
 A cluster's members are scattered over the head (token ids in no particular order), so stage 2 reads
-``P * cap`` rows from as many places; on CPU that ran at about a third of the speed of reading the same
-bytes in order (scattered against cluster-major rows, one decode row, one thread: 3.3 against 0.9 ms at
-262,144 x 640 with 512 probes, 3.9 against 1.4 ms at 128,256 x 2,048 with 251; ``python -m bench.cluster_rows``).
+``P * cap`` rows from as many places; on CPU that took 2.3x-2.5x as long as reading them cluster by cluster
+from consecutive rows (one decode row, one thread: 6.0 against 2.6 ms at 262,144 x 640 with 512 probes, 5.3
+against 2.2 ms at 128,256 x 2,048 with 251; ``python -m bench.cluster_rows``, docs/benchmarks.md).
 :class:`ClusterRows` holds the head's ``V`` token rows sorted by cluster (each token once, padding rows
 left out) and the cluster map in that copy's row numbers, so the kernels score a probed cluster from
 consecutive rows and compute every dot product from the same values as over the head itself: the logits

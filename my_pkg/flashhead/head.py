@@ -382,10 +382,12 @@ class FlashHead:
         ids = torch_ref.candidate_ids(self.members, probes)
         return (ids if extra_ids is None else torch.cat([ids, extra_ids], dim=1)), logits
 
-    def _token_logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``[B, N]`` exact logits of any token ids ``[B, N]``."""
+    def _token_logits(self, hidden: torch.Tensor, ids: torch.Tensor, *, has_candidates: bool = False) -> torch.Tensor:
+        """``[B, N]`` exact logits of any token ids ``[B, N]``: from the rows in cluster order when ``ids`` hold
+        probed clusters' members (``has_candidates``), else from the head itself, where a sampled row's
+        best-estimated tokens lie closer together (blocks of neighbouring ids, :func:`top_k_ids`)."""
         rows = self.cluster_rows
-        if rows is None:
+        if rows is None or not has_candidates:
             return torch_ref.token_logits(hidden, self.weight, ids)
         return torch_ref.token_logits(hidden, rows.rows, rows.row_of[ids])
 
@@ -528,7 +530,7 @@ class FlashHead:
         ids = torch.empty((hidden.shape[0], width), dtype=torch.int64, device=hidden.device)
         for index, part in ((greedy, candidates), (rows_sampled, best)):
             ids.index_copy_(0, index, torch.cat([part, part[:, -1:].expand(-1, width - part.shape[1])], 1))
-        exact = post(self._token_logits(hidden, ids))
+        exact = post(self._token_logits(hidden, ids, has_candidates=True))
         out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device)
         out.index_copy_(0, rows_sampled, post(raw).to(exact.dtype))
         return out.scatter_(1, ids, exact)

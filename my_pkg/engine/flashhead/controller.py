@@ -7,8 +7,9 @@ or a worker). Its life, in order:
 1. `__init__` / `from_model_dir`: reads the assets (centroids and the cluster map) while vLLM
    constructs the model, or records why FlashHead cannot serve it (`ReasonCode`).
 2. `prepare(weight)`: right after vLLM loaded the weights, builds the head over the loaded LM head
-   (shared, not copied), its sampled-row tables and kernels, so that vLLM's KV-cache sizing counts
-   their memory (`bind` + `warm_up`; the first logits call does it when the load hook could not).
+   (shared; on CPU plus its rows in cluster order), its sampled-row tables and kernels, so that
+   vLLM's KV-cache sizing counts their memory (`bind` + `warm_up`; the first logits call does it when
+   the load hook could not).
    Under tensor parallelism the head covers this rank's vocabulary shard and `stage1` this rank's
    share of the centroids (`my_pkg.flashhead.probes.ShardStage1`).
 3. Each decode step: the model runner arms it with the step's rows (`arm`, `StepRows`), and
@@ -185,7 +186,7 @@ class FlashHeadController:
         vocab_range: tuple[int, int] | None = None,
         shard: tuple[int, int] | None = None,
     ) -> None:
-        """Build the head over `weight` (the loaded LM head, shared, not copied).
+        """Build the head over `weight` (the loaded LM head, shared; a CPU head adds its rows in cluster order).
 
         Under tensor parallelism `weight` is this rank's shard of vLLM's vocab-parallel head, whose
         rows are the tokens `vocab_range = (start, end)`, and `shard = (rank, world_size)` names the
