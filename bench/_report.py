@@ -22,6 +22,7 @@ __all__ = [
     "median_ms",
     "add_timing_options",
     "start_timing",
+    "timing_args",
     "fitted_tail_factors",
     "BENCHMARKS_MD",
 ]
@@ -130,6 +131,15 @@ def add_timing_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="default: torch's (every core)")
     parser.add_argument("--repeats", type=int, default=7, help="calls per measurement (median)")
     parser.add_argument("--rounds", type=int, default=5)
+
+
+def timing_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed by ``parser`` with the timing options added (:func:`add_timing_options`), the timing
+    started (:func:`start_timing`): the arguments of a paired-round CPU benchmark."""
+    add_timing_options(parser)
+    args = parser.parse_args(argv)
+    start_timing(args)
+    return args
 
 
 def start_timing(args: argparse.Namespace) -> None:

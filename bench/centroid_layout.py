@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bench._report import add_timing_options, int_list, median_ms, shape_list, start_timing
+from bench._report import int_list, median_ms, shape_list, timing_args
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 
@@ -117,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", type=shape_list, default=[(128256, 2048), (262144, 640)])
     ap.add_argument("--batches", type=int_list, default=[1, 2, 8, 32])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    add_timing_options(ap)
-    args = ap.parse_args(argv)
-    start_timing(args)
+    args = timing_args(ap, argv)
     for vocab, hidden_size in args.shapes:
         run_shape(vocab, hidden_size, args)
     return 0

@@ -26,7 +26,7 @@ import sys
 import numpy as np
 import torch
 
-from bench._report import add_timing_options, fitted_tail_factors, int_list, median_ms, shape_list, start_timing
+from bench._report import fitted_tail_factors, int_list, median_ms, shape_list, timing_args
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 
@@ -118,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", type=shape_list, default=[(262144, 640), (128256, 2048)])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--batches", type=int_list, default=[1, 8, 32])
-    add_timing_options(ap)
-    args = ap.parse_args(argv)
-    start_timing(args)
+    args = timing_args(ap, argv)
     run(args)
     return 0
 

@@ -24,7 +24,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from bench._report import add_head_shape_options, add_timing_options, int_list, median_ms, start_timing
+from bench._report import add_head_shape_options, int_list, median_ms, timing_args
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.kernels import torch_ref
@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_head_shape_options(ap)
     ap.add_argument("--batches", type=int_list, default=[1, 2, 4])
-    add_timing_options(ap)
-    args = ap.parse_args(argv)
-    start_timing(args)
+    args = timing_args(ap, argv)
     run(args)
     return 0
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
-from bench._report import add_head_shape_options, add_timing_options, int_list, median_ms, start_timing
+from bench._report import add_head_shape_options, int_list, median_ms, timing_args
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.kernels import torch_ref
@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     add_head_shape_options(ap)
     ap.add_argument("--tp", type=int_list, default=[2, 4, 8])
     ap.add_argument("--batches", type=int_list, default=[1, 4, 8, 32])
-    add_timing_options(ap)
-    args = ap.parse_args(argv)
-    start_timing(args)
+    args = timing_args(ap, argv)
     run(args)
     return 0
 
