@@ -30,9 +30,12 @@ __all__ = ["ClusterRows", "cluster_rows_for"]
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
-# Rows between two rows checked by consecutive `refresh` calls: odd and far apart, so that a few calls
-# look at rows spread over the whole head (a prime, so every row is checked once in `V` calls for any V).
-_CHECK_STRIDE = 40_503
+# Rows between two rows checked by consecutive `refresh` calls: far apart, so that a few calls look at rows spread
+# over the whole head, and a prime, so that every row is checked once in `V` calls (V not a multiple of it).
+_CHECK_STRIDE = 40_507
+
+# The integer type of each float's width: rows compare bit for bit (a NaN equals itself).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ClusterRows:
@@ -85,7 +88,8 @@ class ClusterRows:
         they differ: its weight was changed in place since the copy was made."""
         row = self._next_check
         self._next_check = (row + _CHECK_STRIDE) % self.rows.shape[0]
-        if torch.equal(self.rows[row], self._weight[self.order[row]]):
+        bits = _BITS[self.rows.element_size()]
+        if torch.equal(self.rows[row].view(bits), self._weight[self.order[row]].view(bits)):
             return
         logger.warning(
             "my_pkg: the LM head's weight changed in place; FlashHead copies its rows again (a CPU copy in cluster "

@@ -137,3 +137,21 @@ def test_a_cpu_head_keeps_the_copy_by_default_and_not_with_the_setting_off():
     assert head.cluster_rows is None and head._token_cluster is not None
     head, _ = random_head(64, 8, n_probes=2)
     assert head.cluster_rows is not None and head._token_cluster is None
+
+
+def test_a_row_that_is_not_a_number_is_no_change():
+    """Rows compare bit for bit: a NaN in the head (a broken checkpoint) does not copy the head on every check."""
+    copied, _ = _pair()
+    rows = copied.cluster_rows
+    token = int(rows.order[0])  # the row the next check compares
+    copied.weight.data[token, 3] = float("nan")
+    copied.step_logits(_hidden(1))  # differs from the copy: copied again, NaN included
+    assert torch.isnan(rows.rows[0, 3])
+    copy_made = rows.rows.data_ptr()
+    rows._next_check = 0
+    calls = []
+    original = torch.index_select
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch, "index_select", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+        copied.step_logits(_hidden(1))
+    assert calls == [] and rows.rows.data_ptr() == copy_made
