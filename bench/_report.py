@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: machine description, marker-delimited sections of
 ``docs/benchmarks.md``, comma-separated integer arguments, a median wall-clock timer, the timing
-options of the paired-round CPU benchmarks, and the sampled-row estimate a default build writes."""
+options of the paired-round CPU benchmarks, the sampled-row estimate a default build writes, and the dense head
+as vLLM computes it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ __all__ = [
     "start_timing",
     "timing_args",
     "fitted_tail_factors",
+    "dense_head",
     "BENCHMARKS_MD",
 ]
 
@@ -150,6 +152,25 @@ def start_timing(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     print(machine_description())
     print(f"Command: `{command_line()}`; {torch.get_num_threads()} threads", flush=True)
+
+
+def dense_head(weight):
+    """``(fn, name)``: the dense LM-head product ``fn(hidden) -> [B, V]`` over ``weight`` ``[V, H]`` as vLLM
+    computes it, and how. On CPU vLLM's build multiplies an unquantized head through oneDNN with the weight
+    packed once at load (``dispatch_cpu_unquantized_gemm``), far faster than ``F.linear`` from a few rows on:
+    that, when vLLM is installed and has it; else (and on other devices) ``F.linear``."""
+    import torch
+
+    if weight.device.type == "cpu":
+        try:
+            from vllm import _custom_ops as ops
+
+            if ops._supports_onednn:
+                handle = ops.create_onednn_mm(weight.t(), 32)
+                return (lambda hidden: ops.onednn_mm(handle, hidden, None)), "vLLM's CPU GEMM (oneDNN, packed weight)"
+        except Exception:  # noqa: BLE001 - no vLLM, or a build without it: the plain product
+            pass
+    return (lambda hidden: torch.nn.functional.linear(hidden, weight)), "`F.linear`"
 
 
 def fitted_tail_factors(weight, vocab_size: int, *, states: int = 512, seed: int = 0):

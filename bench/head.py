@@ -1,6 +1,7 @@
 """FlashHead vs dense LM head, timed as served: one decode step into the sampler's logits.
 
-Both sides produce the ``[B, V]`` logits vLLM's sampler gets: dense = ``F.linear(hidden, W[:V])``;
+Both sides produce the ``[B, V]`` logits vLLM's sampler gets: dense = the product vLLM computes (on CPU
+its oneDNN GEMM over the packed weight when vLLM is installed, else ``F.linear(hidden, W[:V])``);
 FlashHead = ``FlashHead.step_logits`` with the inputs serving gives it: greedy rows, sampled rows
 (exact candidates + the tail estimate) or a mixed batch (every other row sampled), with ``--pinned``
 ids (EOS/special/stop tokens) scored on every row.  Heads are random with a random balanced
@@ -30,7 +31,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from bench._report import command_line, fitted_tail_factors, int_list, machine_description, write_section
+from bench._report import command_line, dense_head, fitted_tail_factors, int_list, machine_description, write_section
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 
@@ -108,7 +109,7 @@ def bench_shape(
     if "sampled" in kinds or "mixed" in kinds:
         head.step_logits(torch.zeros(1, hidden, dtype=dtype, device=device), sampled=np.ones(1, bool))
     tables_s = time.perf_counter() - t0
-    dense_weight = weight[: head.vocab_size]
+    dense, dense_name = dense_head(weight[: head.vocab_size])
     rows = []
     for b in batches:
         h = torch.randn(b, hidden, generator=g).to(dtype).to(device)
@@ -117,7 +118,7 @@ def bench_shape(
             for kind in kinds
             if not (kind == "mixed" and b == 1)
         }
-        dense_fn = partial(torch.nn.functional.linear, h, dense_weight)
+        dense_fn = partial(dense, h)
         dense_fn()
         for fn in steps.values():  # warm-up (allocator, first-call paths)
             fn()
@@ -153,6 +154,7 @@ def bench_shape(
         "worst": worst,
         "backend": head.backend,
         "rounds": rounds,
+        "dense": dense_name,
         "pinned": pinned,
         "clock": clock,
         "sampled_probes": head.sampled_n_probes,
@@ -178,6 +180,7 @@ def sampled_rows_text(r: dict) -> str:
 def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, machine: str | None = None) -> str:
     """The benchmark section; ``machine`` is the description taken when the run started."""
     rounds = max((r["rounds"] for r in results), default=1)
+    dense = results[0].get("dense", "`F.linear`") if results else "`F.linear`"
     out = [
         f"### FlashHead vs dense LM head, as served ({device.type}, {str(dtype).replace('torch.', '')})",
         "",
@@ -191,8 +194,8 @@ def to_markdown(results: list[dict], device: torch.device, dtype: torch.dtype, m
             if any(r.get("clock") == "cpu" for r in results)
             else ""
         )
-        + "). Dense = `F.linear(hidden, "
-        "W[:V])`; FlashHead = `FlashHead.step_logits` as serving calls it: greedy rows, sampled rows (the "
+        + f"). Dense = {dense} over `W[:V]`; FlashHead = `FlashHead.step_logits` as serving calls it: greedy "
+        "rows, sampled rows (the "
         "estimate a default build fits, its best tokens exact) or a mixed batch (every other row sampled), "
         "pinned ids scored on every row. "
         "Random heads with a random balanced assignment (the cost does not depend on cluster quality). "

@@ -30,3 +30,15 @@ def test_a_kind_missing_at_batch_1_gets_one_column_pair():
     )
     assert all(line.count("|") == 9 for line in table)
     assert table[2].endswith("| n/a | n/a |") and "| 8.00 |" in table[4]
+
+
+def test_the_dense_baseline_is_vllms_cpu_product_with_the_same_logits():
+    """On CPU with vLLM installed the dense side is vLLM's oneDNN GEMM over the packed weight (as vLLM serves
+    the head), not `F.linear`, which is 2-3x slower from a few rows on; both give the same logits."""
+    from bench._report import dense_head
+
+    weight = torch.randn(300, 24)
+    hidden = torch.randn(5, 24)
+    fn, name = dense_head(weight)
+    assert "oneDNN" in name  # the test environment installs vLLM's CPU build
+    torch.testing.assert_close(fn(hidden), torch.nn.functional.linear(hidden, weight), rtol=1e-4, atol=1e-4)
