@@ -266,6 +266,7 @@ class DenseReason(IntEnum):
 #: Why a whole step (or a wrapper's call) is served dense, whatever its requests asked for.
 StepDenseReason = Literal[
     "batch_threshold",
+    "slower_than_dense",
     "disabled",
     "unavailable",
     "error",
@@ -288,6 +289,7 @@ DenseRowReason = Literal[
     "opt_out",
     "penalized_greedy",
     "batch_threshold",
+    "slower_than_dense",
     "disabled",
     "unavailable",
     "error",
@@ -310,6 +312,7 @@ DENSE_ROW_REASONS: Final[dict[str, str]] = {
     "opt_out": 'the request opted out (`"vllm_xargs": {"flashhead": false}`)',
     "penalized_greedy": "a greedy request with a repetition, frequency or presence penalty",
     "batch_threshold": "the step had more rows than `dense_batch_threshold`",
+    "slower_than_dense": "the step's rows are served faster by the dense head on this machine (see `step_costs`)",
     "disabled": "FlashHead is turned off",
     "unavailable": "FlashHead is not available on this model (see `reason_code`)",
     "error": "FlashHead raised during the step; the dense head answered",
@@ -350,6 +353,30 @@ class FlashHeadCounters(WorkerReply):
 SampledEstimate = Literal["fitted", "weight_only", "off"]
 
 
+class StepCostsReport(WorkerReply):
+    """A decode step's cost on the dense head and on FlashHead, measured on this worker when its head was built
+    (`FlashHeadState.step_costs`): a step the measurement predicts no faster on FlashHead goes dense."""
+
+    batches: list[int] = Field(description="Rows per step at which the three sides were timed.")
+    dense_ms: list[float] = Field(
+        description="Fastest of a few runs, in milliseconds, of vLLM's dense head at each batch."
+    )
+    greedy_ms: list[float] = Field(
+        description="Fastest of a few runs, in milliseconds, of FlashHead with every row greedy."
+    )
+    sampled_ms: list[float] | None = Field(
+        default=None,
+        description="Fastest of a few runs, in milliseconds, of FlashHead with every row sampled; null without "
+        "probe sampling.",
+    )
+    dense_from_greedy: int | None = Field(
+        default=None, description="Smallest timed batch at which a step of greedy rows goes dense; null: none."
+    )
+    dense_from_sampled: int | None = Field(
+        default=None, description="Smallest timed batch at which a step of sampled rows goes dense; null: none."
+    )
+
+
 class FlashHeadState(WorkerReply):
     """The FlashHead controller's status of one worker (its `status()` dict)."""
 
@@ -380,6 +407,11 @@ class FlashHeadState(WorkerReply):
     fidelity_every: int | None = None
     backend: str | None = None
     extra_memory_bytes: int | None = None
+    step_costs: StepCostsReport | None = Field(
+        default=None,
+        description="Where the dense head is faster on this worker, timed when the head was built; null when not "
+        "timed (`MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set, a GPU head, tensor parallelism, or no head).",
+    )
     counters: FlashHeadCounters = Field(default_factory=FlashHeadCounters)
     spec: SpecState | None = Field(default=None, description="Speculative decoding's parts; null when it is off.")
 
@@ -599,6 +631,7 @@ __all__ = [
     "SpecPart",
     "SpecReasonCode",
     "SpecState",
+    "StepCostsReport",
     "StepDenseReason",
     "CONFIG",
     "CONFIG_SECTIONS",

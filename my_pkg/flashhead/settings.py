@@ -10,22 +10,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from my_pkg import env
 
 __all__ = [
     "FlashHeadSettings",
     "default_settings",
-    "machine_dense_batch_threshold",
-    "NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD",
 ]
-
-#: Default ``dense_batch_threshold`` of a bfloat16 head on a CPU with native bf16 matrix products (AVX512-BF16,
-#: AMX): there the dense bf16 head costs about as much at 8 rows as at one; FlashHead measured 1.16x-1.23x of it
-#: at 8 rows and 0.95x-1.10x at 12, 0.64x-0.68x at 32 (docs/benchmarks.md, "bfloat16 on a CPU with bf16
-#: instructions").
-NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD = 8
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -35,9 +25,9 @@ class FlashHeadSettings:
     enabled: bool
     n_probes: int
     dense_batch_threshold: int | None  # steps with more rows go dense; None: never, per request only
-    # The environment left the threshold unset: the machine's default (`machine_dense_batch_threshold`) applies
-    # once the head's weight is known.
-    dense_batch_threshold_from_machine: bool
+    # The environment left the threshold unset: a CPU head measures where the dense head is faster
+    # (`my_pkg.flashhead.step_costs`) and serves such steps dense.
+    measure_step_costs: bool
     probe_sampling: bool  # sampled rows get estimated logits, the best-estimated tokens and sampled_n_probes exact
     sampled_n_probes: int | None  # clusters a sampled row probes; None: default_sampled_n_probes
     sampled_rank: int | None  # rank of the residual term of sampled rows' estimates; None: the head's default
@@ -65,7 +55,7 @@ def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashH
         enabled=env.MY_PKG_FLASHHEAD,
         n_probes=n_probes,
         dense_batch_threshold=None if threshold == "never" else threshold,
-        dense_batch_threshold_from_machine=threshold is None,
+        measure_step_costs=threshold is None,
         probe_sampling=env.MY_PKG_FLASHHEAD_PROBE_SAMPLING,
         sampled_n_probes=_sampled_probes_from_env(num_clusters),
         sampled_rank=env.MY_PKG_FLASHHEAD_SAMPLED_RANK,
@@ -81,24 +71,3 @@ def _sampled_probes_from_env(num_clusters: int | None) -> int | None:
         logger.warning("my_pkg: sampled_n_probes=%d exceeds %d clusters; using %d", value, num_clusters, num_clusters)
         value = num_clusters
     return value
-
-
-def machine_dense_batch_threshold(weight: torch.Tensor) -> int | None:
-    """The ``dense_batch_threshold`` a head over ``weight`` gets when the environment sets none: None (FlashHead at
-    every batch) but for a bfloat16 head on a CPU with native bf16 matrix products, where the dense head is cheap
-    per row (:data:`NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD`)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _native_bf16_matmul():
-        return None
-    return NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD
-
-
-def _native_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AMX tiles or AVX512-BF16), as torch reports it."""
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        supported = getattr(torch.cpu, probe, None)
-        try:
-            if supported is not None and supported():
-                return True
-        except Exception:  # noqa: BLE001 - a private probe that fails means: not known to be native
-            continue
-    return False

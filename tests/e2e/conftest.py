@@ -50,6 +50,16 @@ def _server(model: Path, logs: Path, name: str, env: dict[str, str | None], args
     return VllmServer(model=str(model), args=list(args), env=base_env, log_path=logs / f"{name}.log")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def flashhead_at_every_batch() -> Iterator[None]:
+    """Every server and `LLM` these tests start serves FlashHead at every batch: the tiny model's head is so
+    small that, timed beside the dense head (the default when no threshold is set), every step would go
+    dense. `measured_server` leaves the variable unset to test that default."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", "never")
+        yield
+
+
 @pytest.fixture(scope="session")
 def e2e_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("e2e")
@@ -214,6 +224,24 @@ def features_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServe
             "--max-num-seqs",
             "8",
         ],
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def measured_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """The FlashHead model with no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`: its head timed beside the dense
+    head at start-up decides which steps go dense."""
+    with _server(
+        flashhead_model,
+        logs_dir,
+        "measured",
+        {
+            "VLLM_PLUGINS": BOTH_HALVES,
+            "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
+            "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
+            "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD": None,
+        },
     ) as server:
         yield server
 

@@ -9,13 +9,15 @@ or a worker). Its life, in order:
 2. `prepare(weight)`: right after vLLM loaded the weights, builds the head over the loaded LM head
    (shared; on CPU plus its rows in cluster order), its sampled-row tables and kernels, so that
    vLLM's KV-cache sizing counts their memory (`bind` + `warm_up`; the first logits call does it when
-   the load hook could not).
+   the load hook could not); then, on a CPU head with no threshold set, times its steps beside
+   vLLM's dense product (`measure_costs`, `my_pkg.flashhead.step_costs`).
    Under tensor parallelism the head covers this rank's vocabulary shard and `stage1` this rank's
    share of the centroids (`my_pkg.flashhead.probes.ShardStage1`).
 3. Each decode step: the model runner arms it with the step's rows (`arm`, `StepRows`), and
    `compute_logits` serves every row that may use FlashHead with `FlashHead.step_logits` (exact
    candidate logits and -inf elsewhere for greedy rows, estimates elsewhere for sampled rows,
-   exact logits for the pinned ids) and the other rows with vLLM's dense logits. Under tensor
+   exact logits for the pinned ids) and the other rows with vLLM's dense logits; where the timing
+   predicts the dense head faster, the step's sampled rows or all its rows go dense. Under tensor
    parallelism the logits processor first exchanges each rank's best clusters (`exchange_width`,
    `stage1_keys`) and `compute_logits` probes the clusters chosen from all of them.
 4. The admin API: `status()` (a `FlashHeadState`), `validate(update)` and `apply(update)` (a
@@ -31,22 +33,31 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from my_pkg.contract import DenseReason, FlashHeadState, FlashHeadUpdate, ReasonCode, SampledEstimate, SpecState
+from my_pkg.contract import (
+    DenseReason,
+    FlashHeadState,
+    FlashHeadUpdate,
+    ReasonCode,
+    SampledEstimate,
+    SpecState,
+    StepCostsReport,
+)
 from my_pkg.engine.flashhead.pins import PinnedRows
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.spec import effective as effective_spec
 from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer
 from my_pkg.flashhead.layout import hidden_major
 from my_pkg.flashhead.probes import NO_KEY, ShardStage1, merge_probes
-from my_pkg.flashhead.settings import default_settings, machine_dense_batch_threshold
+from my_pkg.flashhead.settings import default_settings
 from my_pkg.flashhead.staging import index_tensor
+from my_pkg.flashhead.step_costs import StepCosts, StepPlan, measure_step_costs
 from my_pkg.flashhead.tail_estimate import TailFactors
 
 __all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller"]
@@ -57,6 +68,9 @@ __all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller
 _RANK_LOCAL_CODES = frozenset({"build_failed", "warm_up_failed"})
 
 logger = logging.getLogger(f"vllm.{__name__}")
+
+#: A row's dense code, within one step, when the measured costs serve it dense (`slower_than_dense`).
+_SLOWER = max(DenseReason) + 1
 
 NO_ASSETS_REASON = "the model has no FlashHead assets (no flash_head_cache_dir in config.json)"
 DISABLED_REASON = "disabled (MY_PKG_FLASHHEAD=0 or PUT enabled=false)"
@@ -90,6 +104,10 @@ class FlashHeadController:
         self.head: Any = None
         self.vocab_range: tuple[int, int] | None = None  # this rank's vocabulary shard under tensor parallelism
         self.stage1: ShardStage1 | None = None  # this rank's share of the centroids under tensor parallelism
+        #: Where the dense head is faster on this machine, measured at `prepare` (a CPU head, one rank), and the
+        #: dense product it was timed beside (timed again when `n_probes` changes).
+        self.step_costs: StepCosts | None = None
+        self._dense_product: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.spec: SpecState | None = None  # speculative decoding's parts (`flashhead/spec.py`), set by its maker
         #: Under speculative decoding, the drafter's own controller when FlashHead serves its head (`draft.py`).
         self.draft: FlashHeadController | None = None
@@ -170,15 +188,20 @@ class FlashHeadController:
         weight: torch.Tensor,
         vocab_range: tuple[int, int] | None = None,
         shard: tuple[int, int] | None = None,
+        dense: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """Build the head over the loaded `weight` and warm it up on zero rows (kernels, sampled-row
         tables): called right after vLLM loads the weights, so its memory is counted before vLLM
-        sizes the KV cache. Never raises; a failure leaves the model dense with its reason."""
+        sizes the KV cache. With `dense` (vLLM's product for the head) it then measures where the
+        dense head is faster (`measure_costs`). Never raises; a failure leaves the model dense with its
+        reason."""
         if self.head is not None or not self.available:
             return
         self.bind(weight, vocab_range, shard)
         if self.head is not None:
             self.warm_up(torch.zeros((2, weight.shape[1]), dtype=weight.dtype, device=weight.device))
+        if self.head is not None and dense is not None:
+            self.measure_costs(dense)
 
     def bind(
         self,
@@ -232,7 +255,6 @@ class FlashHeadController:
         finally:
             self._centroids = self._assignments = None
         if self.head is not None:
-            self._apply_machine_threshold(weight)
             logger.info(
                 "my_pkg: FlashHead active: %d clusters of %d, n_probes=%d, backend=%s",
                 self.head.num_clusters,
@@ -241,22 +263,61 @@ class FlashHeadController:
                 self.head.backend,
             )
 
-    def _apply_machine_threshold(self, weight: torch.Tensor) -> None:
-        """With no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`, steps above the machine's threshold go dense: a
-        bfloat16 head on a CPU with native bf16 products (`machine_dense_batch_threshold`). Under tensor
-        parallelism each rank decides for its shard; the stage-1 exchange does not depend on it
-        (`exchange_width`), so no rank waits on another."""
-        if not self.settings.dense_batch_threshold_from_machine or self.settings.dense_batch_threshold is not None:
+    def measure_costs(self, dense: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Time this head's steps beside `dense` (vLLM's product for the head) at batches of 1, 2, 4, ...
+        rows (`my_pkg.flashhead.step_costs`): from then on a step that the measurement predicts the dense
+        head serves at least as fast is served dense (`slower_than_dense`). Only when the environment
+        sets no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`, on a CPU head (the host clock times a CPU step,
+        not an accelerator's) without tensor parallelism (a rank alone cannot time the stage-1
+        exchange). Never raises: a failed measurement leaves FlashHead on every step, logged."""
+        head = self.head
+        if not self.settings.measure_step_costs or head is None or self.vocab_range is not None:
             return
-        threshold = machine_dense_batch_threshold(weight)
-        if threshold is not None:
-            self.settings.dense_batch_threshold = threshold
-            logger.info(
-                "my_pkg: bfloat16 head on a CPU with native bf16 matrix products: decode steps of more than %d "
-                "rows use the dense head, faster there (MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD=never: FlashHead "
-                "at every batch)",
-                threshold,
+        if head.weight.device.type != "cpu":
+            return
+        self._dense_product = dense
+        pins = self._pins.get((), head.weight) if self._pins is not None else None
+
+        def flashhead_step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
+            logits = head.step_logits(hidden, sampled=sampled if self.settings.probe_sampling else None)
+            if self._pins is not None:
+                self._pins.score(logits, hidden, pins, _identity)
+            return logits
+
+        try:
+            with torch.inference_mode():
+                self.step_costs = measure_step_costs(
+                    flashhead_step,
+                    dense,
+                    int(head.weight.shape[1]),
+                    dtype=head.weight.dtype,
+                    sampled_rows=self.settings.probe_sampling,
+                )
+        except Exception as exc:  # noqa: BLE001 - without a measurement FlashHead serves every step
+            self.step_costs = None
+            logger.warning(
+                "my_pkg: FlashHead could not time its steps beside the dense head (%s: %s)", type(exc).__name__, exc
             )
+            return
+        report = self._step_costs_report()
+        assert report is not None
+        logger.info(
+            "my_pkg: FlashHead timed beside the dense head at %s rows: dense %s ms, greedy %s ms, sampled %s ms; "
+            "steps the dense head serves faster go dense (greedy from %s rows, sampled from %s rows; "
+            "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD=never: FlashHead at every batch)",
+            report.batches,
+            report.dense_ms,
+            report.greedy_ms,
+            report.sampled_ms,
+            report.dense_from_greedy or "none",
+            report.dense_from_sampled or "none",
+        )
+
+    def _time_again(self) -> None:
+        """A greedy row's cost follows `n_probes`: a timed head is timed again (a few seconds at most, between
+        two steps) so that its steps keep going where they are faster."""
+        if self.step_costs is not None and self._dense_product is not None:
+            self.measure_costs(self._dense_product)
 
     def warm_up(self, hidden: torch.Tensor) -> None:
         """Run the head once on `hidden[:2]`, greedy and sampled, so that kernels are compiled and the
@@ -390,10 +451,18 @@ class FlashHeadController:
         if threshold is not None and num_rows > threshold:
             return self._all_dense(hidden, dense, "batch_threshold")
         dense_rows = np.flatnonzero(rows.dense_codes)
+        if self.step_costs is not None:
+            plan = self._plan(rows, int(dense_rows.size))
+            if plan == "dense":
+                return self._all_dense(hidden, dense, "slower_than_dense")
+            if plan == "sampled_dense":
+                rows = replace(rows, dense_codes=np.where(self._flash_sampled(rows), _SLOWER, rows.dense_codes))
+                dense_rows = np.flatnonzero(rows.dense_codes)
         if dense_rows.size:
-            reasons = np.bincount(rows.dense_codes[dense_rows], minlength=max(DenseReason) + 1)
+            reasons = np.bincount(rows.dense_codes[dense_rows], minlength=_SLOWER + 1)
             for code in np.flatnonzero(reasons):
-                self.counters.rows_dense[DenseReason(code).label] += int(reasons[code])
+                label = "slower_than_dense" if code == _SLOWER else DenseReason(code).label
+                self.counters.rows_dense[label] += int(reasons[code])
         if dense_rows.size == num_rows:
             return dense(hidden)
 
@@ -435,6 +504,20 @@ class FlashHeadController:
             logits[index] = dense(hidden.index_select(0, index)).to(logits.dtype)
         self.counters.rows_flashhead += num_rows - int(dense_rows.size)
         return logits
+
+    def _flash_sampled(self, rows: StepRows) -> np.ndarray:
+        """The rows FlashHead may serve that sample (none without probe sampling: they are scored as greedy)."""
+        if not self.settings.probe_sampling:
+            return np.zeros(rows.num_rows, dtype=bool)
+        return (rows.dense_codes == 0) & rows.sampled
+
+    def _plan(self, rows: StepRows, num_dense: int) -> StepPlan:
+        """How the measured costs serve this step fastest (host numbers only)."""
+        assert self.step_costs is not None
+        sampled = int(np.count_nonzero(self._flash_sampled(rows)))
+        return self.step_costs.plan(
+            rows.num_rows - num_dense - sampled, sampled, num_dense, check_every=self.settings.fidelity_every
+        )
 
     def _score_drafts(
         self,
@@ -530,8 +613,24 @@ class FlashHeadController:
             fidelity_every=self.settings.fidelity_every,
             backend=head.backend if head is not None else None,
             extra_memory_bytes=self._worker_extra_memory_bytes(),
+            step_costs=self._step_costs_report(),
             counters=self.counters.snapshot(self.draft.counters if self.draft is not None else None),
             spec=effective_spec(self._spec_with_draft(), active),
+        )
+
+    def _step_costs_report(self) -> StepCostsReport | None:
+        costs, every = self.step_costs, self.settings.fidelity_every
+        if costs is None:
+            return None
+        return StepCostsReport(
+            batches=list(costs.batches),
+            dense_ms=_milliseconds(costs.dense_s),
+            greedy_ms=_milliseconds(costs.greedy_s),
+            sampled_ms=_milliseconds(costs.sampled_s) if costs.sampled_s is not None else None,
+            dense_from_greedy=costs.dense_from(sampled=False, check_every=every),
+            dense_from_sampled=costs.dense_from(sampled=True, check_every=every)
+            if costs.sampled_s is not None
+            else None,
         )
 
     def _spec_with_draft(self) -> SpecState | None:
@@ -605,6 +704,7 @@ class FlashHeadController:
             setattr(self.settings, name, getattr(update, name))
         if update.n_probes is not None and self.head is not None:
             self.head.n_probes = update.n_probes
+            self._time_again()
         draft = self.draft
         if draft is not None:  # the drafter's head: its own probe count, the target's switch and threshold
             for name in ("enabled", "dense_batch_threshold"):
@@ -614,6 +714,7 @@ class FlashHeadController:
                 draft.settings.n_probes = update.draft_n_probes
                 if draft.head is not None:
                     draft.head.n_probes = update.draft_n_probes
+                    draft._time_again()
         logger.info(
             "my_pkg: FlashHead settings now %s%s",
             asdict(self.settings),
@@ -648,6 +749,15 @@ def status_without_controller(code: ReasonCode = "no_assets", reason: str = NO_A
         fidelity_every=None,
         backend=None,
         extra_memory_bytes=None,
+        step_costs=None,
         counters=Counters().snapshot(),
         spec=None,
     )
+
+
+def _identity(logits: torch.Tensor) -> torch.Tensor:
+    return logits
+
+
+def _milliseconds(seconds: Iterable[float]) -> list[float]:
+    return [round(value * 1e3, 4) for value in seconds]

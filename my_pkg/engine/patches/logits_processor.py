@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import Any
 
 from my_pkg.engine.vllm_uses import attributes, symbol
@@ -88,6 +89,11 @@ VLLM_SYMBOLS = (
         "org_vocab_size",
         "soft_cap",
         "scale",
+    ),
+    symbol(
+        "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply",
+        "method",
+        params=("self", "layer", "x", "bias"),
     ),
     *attributes("vllm.config:VllmConfig", "model_config", "parallel_config", "speculative_config", "lora_config"),
     *attributes("vllm.config:ModelConfig", "model", "dtype", "revision", "hf_config", "head_dtype"),
@@ -270,8 +276,9 @@ def tokenizer_stop_and_special_ids(model_config: Any) -> list[int]:
 
 def build_head(controller: Any, lm_head: Any) -> None:
     """Build the controller's head over `lm_head` (its vocabulary shard under tensor parallelism) and warm
-    it up; called right after the weights load (`runner_hooks.prepare_after_load`) or at the first logits
-    call. Never raises."""
+    it up, then time it beside vLLM's own product for the head (`FlashHeadController.measure_costs`);
+    called right after the weights load (`runner_hooks.prepare_after_load`) or at the first logits call.
+    Never raises."""
     if not _is_plain_weight(lm_head):
         controller.make_unavailable(
             "quantized_head", f"the LM head is quantized ({type(lm_head.quant_method).__name__}); dense head in use"
@@ -282,7 +289,22 @@ def build_head(controller: Any, lm_head: Any) -> None:
         indices = lm_head.shard_indices
         vocab_range = (int(indices.org_vocab_start_index), int(indices.org_vocab_end_index))
         shard = (int(lm_head.tp_rank), int(lm_head.tp_size))
-    controller.prepare(lm_head.weight, vocab_range=vocab_range, shard=shard)
+    # vLLM's batch-invariant mode asks for output that does not depend on the batch: then FlashHead serves every
+    # step as its requests ask, whatever its size, and no step switches to the dense head for speed.
+    dense = None if _batch_invariant() else partial(dense_product, lm_head)
+    controller.prepare(lm_head.weight, vocab_range=vocab_range, shard=shard, dense=dense)
+
+
+def _batch_invariant() -> bool:
+    """vLLM's `VLLM_BATCH_INVARIANT` (read through `vllm.envs`, which declares it for type checkers only)."""
+    import vllm.envs
+
+    return bool(getattr(vllm.envs, "VLLM_BATCH_INVARIANT", False))
+
+
+def dense_product(lm_head: Any, hidden: Any) -> Any:
+    """vLLM's own product for the head, as its logits processor computes it (on CPU a packed GEMM)."""
+    return lm_head.quant_method.apply(lm_head, hidden)
 
 
 def _is_plain_weight(lm_head: Any) -> bool:

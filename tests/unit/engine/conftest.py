@@ -22,3 +22,11 @@ def flashhead_hooks():
         op_registry_oot.pop("LogitsProcessor", None)
     else:
         op_registry_oot["LogitsProcessor"] = before
+
+
+@pytest.fixture(autouse=True)
+def flashhead_at_every_batch(monkeypatch):
+    """The engine tests' heads are tiny: timed beside the dense head (the default when no threshold is set),
+    every step would go dense. These tests check what FlashHead serves; the timing has tests of its own,
+    which unset the variable."""
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", "never")

@@ -9,7 +9,7 @@ import torch
 from my_pkg.contract import FlashHeadState, FlashHeadUpdate
 from my_pkg.engine.flashhead import FlashHeadController, status_without_controller
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows
-from my_pkg.flashhead import settings
+from my_pkg.flashhead.step_costs import StepCosts
 
 VOCAB, HIDDEN, CAP = 512, 32, 16
 CLUSTERS = VOCAB // CAP
@@ -522,56 +522,110 @@ def test_the_served_rank_keeps_a_fitted_estimates_sampled_row_within_the_budget(
         assert ctl.head.sampled_rank == ctl.status().sampled_rank == rank
 
 
-def _bf16_controller(weight: torch.Tensor) -> FlashHeadController:
+def _unbuilt_controller(weight: torch.Tensor, config: dict | None = None) -> FlashHeadController:
     assignments = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0)) % CLUSTERS
     centroids = torch.stack([weight[:VOCAB][assignments == c].float().mean(0) for c in range(CLUSTERS)])
-    ctl = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": 4}, vocab_size=VOCAB)
-    ctl.bind(weight)
-    return ctl
+    return FlashHeadController(
+        centroids=centroids, assignments=assignments, config=config or {"n_probes": 4}, vocab_size=VOCAB
+    )
 
 
-@pytest.mark.parametrize(
-    ("env_value", "dtype", "native", "threshold"),
-    [
-        (None, torch.bfloat16, True, settings.NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD),  # the machine's default
-        (None, torch.bfloat16, False, None),  # bf16 without native products: FlashHead at every batch
-        (None, torch.float32, True, None),  # float32: FlashHead at every batch
-        ("never", torch.bfloat16, True, None),  # the operator keeps FlashHead at every batch
-        ("NEVER", torch.bfloat16, True, None),
-        ("9", torch.bfloat16, True, 9),  # the operator's threshold wins
-    ],
-)
-def test_a_bfloat16_head_on_a_cpu_with_native_bf16_products_sends_large_steps_dense(
-    weight, monkeypatch, env_value, dtype, native, threshold
-):
-    if env_value is None:
-        monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
-    else:
-        monkeypatch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", env_value)
-    monkeypatch.setattr(settings, "_native_bf16_matmul", lambda: native)
-    ctl = _bf16_controller(weight.to(dtype))
-    assert ctl.head is not None
-    assert ctl.settings.dense_batch_threshold == threshold
-    assert ctl.status().dense_batch_threshold == threshold
-
-
-def test_steps_above_the_machine_threshold_are_served_dense(weight, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepare_times_the_head_beside_the_dense_product_when_no_threshold_is_set(weight, monkeypatch, dtype):
     monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
-    monkeypatch.setattr(settings, "_native_bf16_matmul", lambda: True)
-    weight = weight.to(torch.bfloat16)
-    ctl = _bf16_controller(weight)
-    limit = settings.NATIVE_BF16_CPU_DENSE_BATCH_THRESHOLD
+    weight = weight.to(dtype)
+    ctl = _unbuilt_controller(weight)
+    dense_rows: list[int] = []
+
+    def dense(hidden):
+        dense_rows.append(hidden.shape[0])
+        return hidden @ weight.T
+
+    ctl.prepare(weight, dense=dense)
+    costs = ctl.status().step_costs
+    assert ctl.head is not None and costs is not None
+    assert costs.batches[0] == 1 and costs.batches == sorted(costs.batches)
+    assert set(dense_rows) == set(costs.batches)  # the dense side is the product it was given
+    for side in (costs.dense_ms, costs.greedy_ms, costs.sampled_ms):
+        assert len(side) == len(costs.batches) and all(ms > 0 for ms in side)
+    assert ctl.settings.dense_batch_threshold is None  # the measurement decides per step, not a threshold
+
+
+def test_a_new_probe_count_times_the_head_again(weight, monkeypatch):
+    monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
+    ctl = _unbuilt_controller(weight)
+    calls = []
+
+    def dense(hidden):
+        calls.append(hidden.shape[0])
+        return hidden @ weight.T
+
+    ctl.prepare(weight, dense=dense)
+    first, timed = ctl.step_costs, len(calls)
+    assert first is not None and timed > 0
+    ctl.apply(FlashHeadUpdate(enabled=True))  # nothing a step's cost depends on: not timed again
+    assert ctl.step_costs is first and len(calls) == timed
+    ctl.apply(FlashHeadUpdate(n_probes=CLUSTERS))
+    assert ctl.step_costs is not first and len(calls) > timed
+    assert ctl.head.n_probes == CLUSTERS
+
+
+@pytest.mark.parametrize("env_value", ["never", "9"])
+def test_an_operator_threshold_skips_the_timing(weight, monkeypatch, env_value):
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", env_value)
+    ctl = _unbuilt_controller(weight)
+    ctl.prepare(weight, dense=_dense(weight))
+    assert ctl.head is not None and ctl.step_costs is None and ctl.status().step_costs is None
+    assert ctl.status().dense_batch_threshold == (None if env_value == "never" else 9)
+
+
+def test_a_vocabulary_shard_and_a_failing_dense_product_are_not_timed(weight, monkeypatch, caplog):
+    monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
+    shard = _unbuilt_controller(weight)
+    shard.prepare(weight[: VOCAB // 2], vocab_range=(0, VOCAB // 2), shard=(0, 2), dense=_dense(weight))
+    assert shard.head is not None and shard.step_costs is None
+
+    def broken(hidden):
+        raise RuntimeError("no product")
+
+    ctl = _unbuilt_controller(weight)
+    ctl.prepare(weight, dense=broken)
+    assert ctl.head is not None and ctl.step_costs is None  # FlashHead serves every step, as before
+    assert "could not time its steps" in caplog.text
+
+
+def test_steps_the_measurement_predicts_faster_on_the_dense_head_are_served_dense(controller, weight):
+    # Greedy rows pay up to 4 rows, sampled rows up to 1 (as on a CPU with a packed dense GEMM).
+    controller.step_costs = StepCosts(
+        batches=(1, 2, 4, 8),
+        dense_s=(4.0, 4.0, 4.0, 8.0),
+        greedy_s=(1.0, 2.0, 3.0, 9.0),
+        sampled_s=(2.0, 5.0, 10.0, 20.0),
+        margin=1.0,
+    )
     dense = _dense(weight)
-    small = torch.randn(limit, HIDDEN, dtype=torch.bfloat16)
-    ctl.compute_logits(small, _rows([0] * limit), dense, lambda x: x)
-    assert ctl.counters.rows_flashhead == limit
-    large = torch.randn(limit + 1, HIDDEN, dtype=torch.bfloat16)
-    torch.testing.assert_close(ctl.compute_logits(large, _rows([0] * (limit + 1)), dense, lambda x: x), dense(large))
-    assert ctl.counters.rows_flashhead == limit and ctl.counters.rows_dense["batch_threshold"] == limit + 1
-    ctl.apply(FlashHeadUpdate(dense_batch_threshold=None))  # the admin API can lift it
-    ctl.compute_logits(large, _rows([0] * (limit + 1)), dense, lambda x: x)
-    assert ctl.counters.rows_flashhead == 2 * limit + 1
-
-
-def test_the_native_bf16_probe_answers_without_raising():
-    assert isinstance(settings._native_bf16_matmul(), bool)
+    hidden = torch.randn(4, HIDDEN)
+    controller.compute_logits(hidden, _rows([0] * 4), dense, lambda x: x)  # 4 greedy rows: FlashHead
+    assert controller.counters.rows_flashhead == 4
+    sampled = controller.compute_logits(hidden[:2], _rows([0, 0], [True, True]), dense, lambda x: x)
+    torch.testing.assert_close(sampled, dense(hidden[:2]))  # 2 sampled rows: dense, exact
+    assert controller.counters.rows_dense == {"slower_than_dense": 2}
+    # 3 greedy + 1 sampled: (3 * 3 + 10) / 4 = 4.75 > 4: dense; 3 greedy + 1 logprobs row: 2.5 + 4 > 4: dense too.
+    controller.compute_logits(hidden, _rows([0] * 4, [False, False, False, True]), dense, lambda x: x)
+    controller.compute_logits(hidden, _rows([0, 0, 0, DenseReason.LOGPROBS]), dense, lambda x: x)
+    assert controller.counters.rows_dense == {"slower_than_dense": 10}
+    assert controller.counters.rows_flashhead == 4
+    status = controller.status()
+    assert status.counters.rows_dense["slower_than_dense"] == 10
+    assert (status.step_costs.dense_from_greedy, status.step_costs.dense_from_sampled) == (8, 2)
+    # 4 greedy + 4 sampled at 8 rows: as asked 14.5, all dense 8, the sampled rows dense 3 + 4 = 7.
+    hidden8 = torch.randn(8, HIDDEN)
+    mixed = controller.compute_logits(hidden8, _rows([0] * 8, [False, True] * 4), dense, lambda x: x)
+    torch.testing.assert_close(mixed[1::2], dense(hidden8[1::2]))  # the sampled rows: the dense head's logits
+    greedy_alone = controller.compute_logits(hidden8[0::2], _rows([0] * 4), dense, lambda x: x)
+    assert torch.equal(mixed[0::2], greedy_alone)  # the greedy rows: FlashHead's, as in a step of their own
+    assert controller.counters.rows_dense == {"slower_than_dense": 14}
+    assert controller.counters.rows_flashhead == 12
+    controller.settings.probe_sampling = False  # sampled rows then cost what greedy ones do
+    controller.compute_logits(hidden[:2], _rows([0, 0], [True, True]), dense, lambda x: x)
+    assert controller.counters.rows_flashhead == 14

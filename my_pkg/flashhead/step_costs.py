@@ -1,0 +1,183 @@
+"""Which rows of a decode step FlashHead or the dense head serves faster, measured on this machine.
+
+Where FlashHead stops paying depends on the machine, the dtype, the head's shape and the kind of rows:
+a dense head whose product is a packed GEMM costs little more for 8 rows than for one, while each
+FlashHead row costs its own candidates (a sampled row its estimate too).  Instead of a table of
+known machines, :func:`measure_step_costs` times both on this one, on the head as it will serve, at
+batches of 1, 2, 4, ... rows (as many as a time budget allows), and :class:`StepCosts` predicts a
+step's cost from the measured points:
+
+* ``g`` greedy and ``s`` sampled FlashHead rows cost the measured greedy and sampled step times at
+  ``g + s`` rows, weighted by the rows' shares, plus the live fidelity check's share of a dense row each;
+  rows served dense cost the dense head's time at their count;
+* between measured batches the times are interpolated linearly; beyond the largest measured batch each
+  side's time grows at the rate it grew between the last two (a dense GEMM costs less per row at 32
+  rows than at 8, so growing in proportion would overstate it).
+
+:meth:`StepCosts.plan` picks the cheapest of three ways to serve a step: every row as asked
+(``flashhead``), the sampled rows on the dense head and the greedy ones on FlashHead (``sampled_dense``),
+or every row on the dense head (``dense``).  FlashHead's part of a prediction counts 10 % more: a step
+within 10 % of a tie goes to the dense head, whose logits are exact, so that an error of the prediction
+near the tie (up to 10 % measured at 262,144 × 640, docs/benchmarks.md) does not make the step slower
+than dense; an exact tie goes to the way with more dense rows.
+Imports torch and numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import numpy as np
+import torch
+
+__all__ = ["MEASURED_BATCHES", "MEASURE_BUDGET_S", "StepCosts", "StepPlan", "measure_step_costs"]
+
+#: How a step's rows are served: as asked, its sampled rows dense, or every row dense.
+StepPlan = Literal["flashhead", "sampled_dense", "dense"]
+
+#: Batches :func:`measure_step_costs` times, in this order, until its budget is spent.
+MEASURED_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: Seconds :func:`measure_step_costs`'s first pass may spend before it starts another batch (batch 1 is always
+#: timed); its second pass over the same batches takes about as long again.
+MEASURE_BUDGET_S = 2.0
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one step (the fastest of a few runs) at each of ``batches`` rows: the dense head, FlashHead
+    with every row greedy, and FlashHead with every row sampled (None when sampled rows are served as greedy
+    ones)."""
+
+    batches: tuple[int, ...]
+    dense_s: tuple[float, ...]
+    greedy_s: tuple[float, ...]
+    sampled_s: tuple[float, ...] | None
+    #: FlashHead's predicted time counts this many times over (the module docstring says why).
+    margin: float = 1.1
+
+    def __post_init__(self) -> None:
+        sizes = {len(self.batches), len(self.dense_s), len(self.greedy_s)}
+        if self.sampled_s is not None:
+            sizes.add(len(self.sampled_s))
+        if len(sizes) != 1 or not self.batches:
+            raise ValueError("StepCosts needs one time per batch on every side, and at least one batch")
+        if list(self.batches) != sorted(set(self.batches)) or self.batches[0] < 1:
+            raise ValueError(f"batches must be increasing positive row counts, got {self.batches}")
+
+    def _at(self, times: Sequence[float], rows: int) -> float:
+        last = self.batches[-1]
+        if rows <= last:
+            return float(np.interp(rows, self.batches, times))
+        if len(self.batches) == 1:
+            return times[-1] * rows / last
+        slope = (times[-1] - times[-2]) / (last - self.batches[-2])
+        return times[-1] + max(slope, 0.0) * (rows - last)
+
+    def flashhead_s(self, greedy: int, sampled: int) -> float:
+        """Predicted seconds of FlashHead for a step of ``greedy`` and ``sampled`` rows."""
+        rows = greedy + sampled
+        if not rows:
+            return 0.0
+        sampled_times = self.sampled_s if self.sampled_s is not None else self.greedy_s
+        return (greedy * self._at(self.greedy_s, rows) + sampled * self._at(sampled_times, rows)) / rows
+
+    def dense_s_at(self, rows: int) -> float:
+        """Predicted seconds of the dense head for a step of ``rows`` rows."""
+        return self._at(self.dense_s, rows) if rows else 0.0
+
+    def plan(self, greedy: int, sampled: int, dense: int = 0, *, check_every: int = 0) -> StepPlan:
+        """The cheapest way to serve a step whose ``greedy`` and ``sampled`` rows FlashHead may serve and
+        whose ``dense`` rows need the dense head anyway. ``check_every`` > 0: one FlashHead row in that many
+        also gets the dense head's logits (the live fidelity check), a dense row's time each."""
+        if greedy + sampled == 0:
+            return "flashhead"
+        check_s = self.dense_s_at(1) / check_every if check_every > 0 else 0.0
+
+        def flashhead(greedy: int, sampled: int) -> float:
+            return self.margin * (self.flashhead_s(greedy, sampled) + (greedy + sampled) * check_s)
+
+        costs: dict[StepPlan, float] = {
+            "dense": self.dense_s_at(greedy + sampled + dense),
+            "sampled_dense": flashhead(greedy, 0) + self.dense_s_at(sampled + dense) if sampled else math.inf,
+            "flashhead": flashhead(greedy, sampled) + self.dense_s_at(dense),
+        }
+        return min(costs, key=costs.__getitem__)  # the first of equal costs: more rows exact
+
+    def dense_from(self, *, sampled: bool, check_every: int = 0) -> int | None:
+        """The smallest measured batch at which a step of only greedy (or only sampled) rows is not served
+        by FlashHead, None when FlashHead serves it at every measured batch."""
+        for rows in self.batches:
+            plan = (
+                self.plan(0, rows, check_every=check_every) if sampled else self.plan(rows, 0, check_every=check_every)
+            )
+            if plan != "flashhead":
+                return rows
+        return None
+
+
+def _fastest_s(runs: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Each run's fastest time of ``repeats``, the runs taking turns (``a b c a b c ...``) after one untimed call
+    each, so that another process's work lands on every side alike."""
+    for run in runs.values():
+        run()  # first call at this shape: allocations, tables, the GEMM's kernel choice
+    fastest = dict.fromkeys(runs, math.inf)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = clock()
+            run()
+            fastest[name] = min(fastest[name], clock() - start)
+    return fastest
+
+
+def measure_step_costs(
+    flashhead_step: Callable[[torch.Tensor, np.ndarray], object],
+    dense_step: Callable[[torch.Tensor], object],
+    hidden_size: int,
+    *,
+    dtype: torch.dtype,
+    sampled_rows: bool,
+    batches: Sequence[int] = MEASURED_BATCHES,
+    budget_s: float = MEASURE_BUDGET_S,
+    repeats: int = 2,
+    passes: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+) -> StepCosts:
+    """Time ``dense_step(hidden)`` and ``flashhead_step(hidden, sampled)`` (greedy rows, then sampled rows
+    when ``sampled_rows``) on random CPU hidden states at each of ``batches`` rows, ``repeats`` times
+    after one untimed call, the sides taking turns, until ``budget_s`` is spent; then ``passes - 1`` more
+    times over the batches the first pass reached. Each side's time is its fastest run (another process's
+    work only ever adds time; the first pass over fresh memory can run slow at some sizes).
+
+    CPU only: the calls are timed by the host clock, which on an accelerator would time the launch.
+    The hidden states are random: a step's cost does not depend on its values (a row scores a fixed
+    number of clusters and estimated tokens), only on the rows and their kind.
+    """
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(max(batches), hidden_size, generator=generator).to(dtype)
+    fastest: dict[int, dict[str, float]] = {}
+    started = clock()
+    for sweep in range(passes):
+        for rows in batches if sweep == 0 else list(fastest):
+            if sweep == 0 and fastest and clock() - started > budget_s:
+                break
+            part, greedy, sampled = hidden[:rows], np.zeros(rows, dtype=bool), np.ones(rows, dtype=bool)
+            runs: dict[str, Callable[[], object]] = {
+                "dense": partial(dense_step, part),
+                "greedy": partial(flashhead_step, part, greedy),
+            }
+            if sampled_rows:
+                runs["sampled"] = partial(flashhead_step, part, sampled)
+            times = _fastest_s(runs, repeats, clock)
+            best = fastest.setdefault(rows, times)
+            for name, seconds in times.items():
+                best[name] = min(best[name], seconds)
+    measured = list(fastest)
+    dense_s = [fastest[rows]["dense"] for rows in measured]
+    greedy_s = [fastest[rows]["greedy"] for rows in measured]
+    sampled_s = [fastest[rows]["sampled"] for rows in measured] if sampled_rows else []
+    return StepCosts(tuple(measured), tuple(dense_s), tuple(greedy_s), tuple(sampled_s) if sampled_rows else None)

@@ -1,0 +1,177 @@
+"""`StepCosts`: predicting a step's cost from measured points, and `measure_step_costs` timing what it is given."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from my_pkg.flashhead.step_costs import StepCosts, measure_step_costs
+
+# A dense head flat to 8 rows then linear; FlashHead greedy 4x cheaper per row at one row, sampled rows dearer.
+COSTS = StepCosts(
+    batches=(1, 2, 4, 8, 16),
+    dense_s=(8.0, 8.0, 8.0, 8.0, 16.0),
+    greedy_s=(1.0, 2.0, 4.0, 8.0, 16.0),
+    sampled_s=(2.0, 4.0, 8.0, 16.0, 32.0),
+    margin=1.0,  # the arithmetic below without the default 10 %
+)
+
+
+def test_greedy_and_sampled_steps_go_dense_where_they_stop_paying():
+    assert COSTS.plan(1, 0) == COSTS.plan(4, 0) == "flashhead"
+    assert COSTS.plan(8, 0) == "dense"  # a tie goes dense: its logits are exact
+    assert COSTS.plan(0, 2) == "flashhead"
+    assert COSTS.plan(0, 4) == "dense"
+    assert COSTS.dense_from(sampled=False) == 8
+    assert COSTS.dense_from(sampled=True) == 4
+
+
+def test_a_mixed_step_weighs_each_kind_by_its_rows_and_counts_its_dense_rows():
+    # 3 greedy + 1 sampled at 4 rows: (3 * 4 + 1 * 8) / 4 = 5 < 8: as asked.
+    assert COSTS.flashhead_s(3, 1) == pytest.approx(5.0)
+    assert COSTS.plan(3, 1) == "flashhead"
+    # The same with 4 rows that need the dense head: 5 + dense(4) = 13 against dense(8) = 8.
+    assert COSTS.plan(3, 1, 4) == "dense"
+    assert COSTS.plan(0, 0, 5) == "flashhead"  # no FlashHead row: nothing to decide
+    # 8 greedy + 8 sampled at 16 rows: as asked 24, all dense 16, sampled rows dense 8 + 8 = 16: tie, dense.
+    assert COSTS.plan(8, 8) == "dense"
+
+
+def test_sampled_rows_alone_go_dense_where_greedy_rows_still_pay():
+    costs = StepCosts((1, 8), dense_s=(4.0, 8.0), greedy_s=(1.0, 4.0), sampled_s=(2.0, 20.0), margin=1.0)
+    # 6 greedy + 2 sampled: as asked (6 * 4 + 2 * 20) / 8 = 8, all dense 8, the sampled rows dense:
+    # greedy(6) = 1 + 5 * 3 / 7 and dense(2) = 4 + 4 / 7, 7.71 together.
+    assert costs.flashhead_s(6, 0) + costs.dense_s_at(2) == pytest.approx(54 / 7)
+    assert costs.plan(6, 2) == "sampled_dense"
+    # 4 greedy + 4 sampled: as asked 12, all dense 8, sampled rows dense 16 / 7 + 40 / 7 = 8: the tie goes dense.
+    assert costs.plan(4, 4) == "dense"
+    assert costs.plan(8, 0) == "flashhead" and costs.plan(0, 8) == "dense"
+
+
+def test_flashhead_must_be_predicted_ten_percent_faster_by_default():
+    near = StepCosts((1, 8), dense_s=(10.0, 10.0), greedy_s=(9.5, 9.5), sampled_s=(9.0, 9.0))
+    assert near.margin == pytest.approx(1.1)
+    assert near.plan(1, 0) == "dense"  # 9.5 * 1.1 > 10
+    assert near.plan(0, 1) == "flashhead"  # 9.0 * 1.1 < 10
+    assert StepCosts((1, 8), (10.0, 10.0), (9.5, 9.5), None, margin=1.0).plan(1, 0) == "flashhead"
+
+
+def test_the_live_fidelity_check_counts_a_dense_row_for_every_checked_row():
+    # 4 greedy rows: 4 against dense 8; checking every row adds 4 dense rows of 8 each: dense wins.
+    assert COSTS.plan(4, 0, check_every=100) == "flashhead"
+    assert COSTS.plan(4, 0, check_every=1) == "dense"
+    assert COSTS.dense_from(sampled=False, check_every=1) == 1
+    assert COSTS.dense_from(sampled=False, check_every=0) == 8  # 0: no check
+
+
+def test_between_and_beyond_the_measured_batches():
+    assert COSTS.dense_s_at(12) == pytest.approx(12.0)  # interpolated between 8 and 16
+    assert COSTS.flashhead_s(3, 0) == pytest.approx(3.0)
+    assert COSTS.dense_s_at(0) == COSTS.flashhead_s(0, 0) == 0.0
+    # Beyond 16 rows each side grows at the rate it grew from 8 to 16 rows (1 per row on both sides).
+    assert COSTS.dense_s_at(64) == pytest.approx(64.0)
+    assert COSTS.flashhead_s(64, 0) == pytest.approx(64.0)
+    assert COSTS.plan(64, 0) == "dense" and COSTS.plan(0, 1000) == "dense"
+    sublinear = StepCosts((1, 8, 16), (20.0, 30.0, 38.0), (4.0, 18.0, 30.0), None)
+    assert sublinear.dense_s_at(32) == pytest.approx(54.0)  # not 76: a GEMM is cheaper per row as rows grow
+    assert sublinear.flashhead_s(32, 0) == pytest.approx(54.0)
+    faster = StepCosts((1, 2), (4.0, 6.0), (1.0, 2.0), None)
+    assert faster.plan(1000, 0) == faster.plan(0, 1000) == "flashhead"  # no sampled times: greedy's
+    assert faster.dense_from(sampled=False) is None
+    flat = StepCosts((1, 2), (4.0, 3.0), (1.0, 2.0), None)
+    assert flat.dense_s_at(100) == pytest.approx(3.0)  # a time that fell is held, not extrapolated down
+    single = StepCosts((4,), (8.0,), (2.0,), None)
+    assert single.dense_s_at(8) == pytest.approx(16.0)  # one point: in proportion to the rows
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"batches": (1, 2), "dense_s": (1.0,), "greedy_s": (1.0, 2.0), "sampled_s": None},
+        {"batches": (2, 1), "dense_s": (1.0, 1.0), "greedy_s": (1.0, 2.0), "sampled_s": None},
+        {"batches": (), "dense_s": (), "greedy_s": (), "sampled_s": None},
+        {"batches": (0, 1), "dense_s": (1.0, 1.0), "greedy_s": (1.0, 1.0), "sampled_s": None},
+    ],
+)
+def test_inconsistent_tables_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        StepCosts(**kwargs)
+
+
+class FakeClock:
+    """A clock that each timed call advances by the cost it declares: the measurement sees known times."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_measurement_times_each_side_at_each_batch_with_the_rows_it_is_given():
+    clock = FakeClock()
+    seen: list[tuple[str, int, bool | None]] = []
+
+    def dense(hidden: torch.Tensor) -> None:
+        seen.append(("dense", hidden.shape[0], None))
+        clock.now += 10.0
+
+    def flashhead(hidden: torch.Tensor, sampled: np.ndarray) -> None:
+        assert sampled.shape == (hidden.shape[0],) and sampled.dtype == bool
+        kind = bool(sampled.all())
+        assert kind or not sampled.any()
+        seen.append(("flash", hidden.shape[0], kind))
+        clock.now += hidden.shape[0] * (3.0 if kind else 1.0)
+
+    costs = measure_step_costs(
+        flashhead, dense, 16, dtype=torch.float32, sampled_rows=True, batches=(1, 4, 16), budget_s=1e9, clock=clock
+    )
+    assert costs.batches == (1, 4, 16)
+    assert costs.dense_s == (10.0, 10.0, 10.0)
+    assert costs.greedy_s == (1.0, 4.0, 16.0)
+    assert costs.sampled_s == (3.0, 12.0, 48.0)
+    assert costs.dense_from(sampled=False) == 16 and costs.dense_from(sampled=True) == 4
+    # Two passes; in each, one untimed call then two timed ones per side and batch, the sides taking turns.
+    assert len(seen) == 2 * 3 * 3 * 3
+    assert [kind for _, rows, kind in seen if rows == 4][3:6] == [None, False, True]
+    assert {rows for _, rows, _ in seen} == {1, 4, 16}
+
+
+def test_measurement_stops_at_its_budget_and_without_sampled_rows_times_greedy_only():
+    clock = FakeClock()
+
+    def step(hidden: torch.Tensor, sampled: np.ndarray | None = None) -> None:
+        assert sampled is None or not sampled.any()
+        clock.now += 1.0
+
+    costs = measure_step_costs(
+        step, step, 8, dtype=torch.bfloat16, sampled_rows=False, batches=(1, 2, 4, 8), budget_s=10.0, clock=clock
+    )
+    # Each batch costs 6 clock units (2 sides x 3 calls): batches 1 and 2 start within 10, the third past it;
+    # the second pass times batches 1 and 2 again.
+    assert costs.batches == (1, 2)
+    assert costs.sampled_s is None
+
+
+def test_measurement_on_a_real_head_times_the_calls_serving_makes():
+    from tests.support.heads import random_head
+
+    head, _ = random_head(2048, 32, n_probes=4)
+    calls: list[tuple[int, bool]] = []
+
+    def flashhead(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
+        calls.append((hidden.shape[0], bool(sampled.any())))
+        return head.step_logits(hidden, sampled=sampled)
+
+    costs = measure_step_costs(
+        flashhead,
+        lambda hidden: torch.nn.functional.linear(hidden, head.weight),
+        32,
+        dtype=head.weight.dtype,
+        sampled_rows=True,
+        batches=(1, 8),
+    )
+    assert costs.batches == (1, 8)
+    assert all(t > 0 for t in (*costs.dense_s, *costs.greedy_s, *costs.sampled_s))
+    assert (8, True) in calls and (8, False) in calls
