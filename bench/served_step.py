@@ -23,7 +23,15 @@ import time
 import numpy as np
 import torch
 
-from bench._report import command_line, dense_head, int_list, machine_description, shape_list, write_section
+from bench._report import (
+    command_line,
+    dense_head,
+    int_list,
+    machine_description,
+    median_ms,
+    shape_list,
+    write_section,
+)
 from bench.head import sampled_mask
 from my_pkg.engine.flashhead.controller import FlashHeadController
 from my_pkg.engine.flashhead.rows import StepRows
@@ -32,15 +40,6 @@ from my_pkg.flashhead.head import default_n_probes
 
 KINDS = ("greedy", "sampled", "mixed")
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
-
-
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _plan_taken(controller: FlashHeadController, before: tuple[int, int], batch: int) -> str:
@@ -117,8 +116,8 @@ def bench_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int],
             dense(hidden_states)
             ratios, served_ms, dense_ms = [], [], []
             for _ in range(rounds):
-                d = _median_ms(dense_step, repeats)
-                s = _median_ms(served, repeats)
+                d = median_ms(dense_step, repeats)
+                s = median_ms(served, repeats)
                 ratios.append(d / s)
                 served_ms.append(s)
                 dense_ms.append(d)
