@@ -17,9 +17,10 @@ step's cost from the measured points:
 :meth:`StepCosts.plan` picks the cheapest of three ways to serve a step: every row as asked
 (``flashhead``), the sampled rows on the dense head and the greedy ones on FlashHead (``sampled_dense``),
 or every row on the dense head (``dense``).  FlashHead's part of a prediction counts 10 % more: a step
-within 10 % of a tie goes to the dense head, whose logits are exact, so that an error of the prediction
-near the tie (up to 10 % measured at 262,144 × 640, docs/benchmarks.md) does not make the step slower
-than dense; an exact tie goes to the way with more dense rows.
+within 10 % of a tie goes to the dense head, whose logits are exact, so that a prediction somewhat off
+near the tie does not make the step slower than dense (the start-up times of one head varied by 10–20 %
+at some batches from one run to the next on a shared 2-core machine, docs/benchmarks.md); an exact tie
+goes to the way with more dense rows.
 Imports torch and numpy only.
 """
 
@@ -112,10 +113,8 @@ class StepCosts:
         """The smallest measured batch at which a step of only greedy (or only sampled) rows is not served
         by FlashHead, None when FlashHead serves it at every measured batch."""
         for rows in self.batches:
-            plan = (
-                self.plan(0, rows, check_every=check_every) if sampled else self.plan(rows, 0, check_every=check_every)
-            )
-            if plan != "flashhead":
+            greedy_rows, sampled_rows = (0, rows) if sampled else (rows, 0)
+            if self.plan(greedy_rows, sampled_rows, check_every=check_every) != "flashhead":
                 return rows
         return None
 
@@ -154,8 +153,9 @@ def measure_step_costs(
     work only ever adds time; the first pass over fresh memory can run slow at some sizes).
 
     CPU only: the calls are timed by the host clock, which on an accelerator would time the launch.
-    The hidden states are random: a step's cost does not depend on its values (a row scores a fixed
-    number of clusters and estimated tokens), only on the rows and their kind.
+    The hidden states are random: a row scores a fixed number of clusters and estimated tokens whatever
+    its values, and random rows probe unrelated clusters, as different requests' rows mostly do (a batch
+    whose rows share clusters costs less: the batched path reads each probed cluster once).
     """
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(max(batches), hidden_size, generator=generator).to(dtype)
