@@ -410,7 +410,8 @@ class FlashHeadState(WorkerReply):
     step_costs: StepCostsReport | None = Field(
         default=None,
         description="Where the dense head is faster on this worker, timed when the head was built; null when not "
-        "timed (`MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set, a GPU head, tensor parallelism, or no head).",
+        "timed (`MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set, `VLLM_BATCH_INVARIANT=1`, a GPU head, tensor "
+        "parallelism, or no head).",
     )
     counters: FlashHeadCounters = Field(default_factory=FlashHeadCounters)
     spec: SpecState | None = Field(default=None, description="Speculative decoding's parts; null when it is off.")

@@ -166,6 +166,35 @@ def processor_and_head():
     return processor, lm_head
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_the_head_is_timed_beside_vllms_product_unless_vllm_is_batch_invariant(monkeypatch, batch_invariant):
+    monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1" if batch_invariant else "0")
+    torch.manual_seed(0)
+    weight = torch.randn(VOCAB + 16, HIDDEN)
+    products: list[int] = []
+
+    class CountingMethod(UnquantizedEmbeddingMethod):
+        def apply(self, layer, x, bias=None):
+            products.append(x.shape[0])
+            return super().apply(layer, x, bias)
+
+    CountingMethod.__name__ = "UnquantizedEmbeddingMethod"
+    lm_head = SimpleNamespace(weight=weight, quant_method=CountingMethod(), tp_size=1)
+    assignments = torch.randperm(VOCAB) % (VOCAB // CAP)
+    centroids = torch.stack([weight[:VOCAB][assignments == c].mean(0) for c in range(VOCAB // CAP)])
+    controller = FlashHeadController(
+        centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB
+    )
+    logits_processor.build_head(controller, lm_head)
+    assert controller.head is not None
+    if batch_invariant:  # the operator asked for output independent of the batch: no step switches head
+        assert controller.step_costs is None and products == []
+    else:  # timed through the head's own quant method, as vLLM's logits processor computes it
+        assert controller.step_costs is not None
+        assert set(products) == set(controller.step_costs.batches)
+
+
 def _arm(controller, num_rows):
     rows = StepRows(np.zeros(num_rows, np.uint8), np.zeros(num_rows, bool))
     controller.arm(lambda: rows)
