@@ -97,6 +97,8 @@ def test_default_probes_serve_greedy_and_sampled_requests(fh, flashhead_server):
     if fitted:
         estimate_rows = status["sampled_rank"] * (hidden + vocab) / hidden
         assert estimate_rows + status["sampled_rescore"] <= SAMPLED_ROW_BUDGET * vocab, status
+    # A CPU head holds a copy of its token rows in cluster order (float32 here), counted in its memory.
+    assert status["backend"] == "torch" and status["extra_memory_bytes"] >= vocab * hidden * 4, status
     before = status["counters"]["rows_flashhead"]
     greedy = _complete_all(fh, flashhead_server.model, PROMPTS[:3])
     sampled = _complete_all(
