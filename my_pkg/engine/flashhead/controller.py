@@ -57,7 +57,7 @@ from my_pkg.flashhead.layout import hidden_major
 from my_pkg.flashhead.probes import NO_KEY, ShardStage1, merge_probes
 from my_pkg.flashhead.settings import default_settings
 from my_pkg.flashhead.staging import index_tensor
-from my_pkg.flashhead.step_costs import StepCosts, StepPlan, measure_step_costs
+from my_pkg.flashhead.step_costs import StepCosts, StepPlan, measure_step_costs, retime_greedy
 from my_pkg.flashhead.tail_estimate import TailFactors
 
 __all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller"]
@@ -104,10 +104,9 @@ class FlashHeadController:
         self.head: Any = None
         self.vocab_range: tuple[int, int] | None = None  # this rank's vocabulary shard under tensor parallelism
         self.stage1: ShardStage1 | None = None  # this rank's share of the centroids under tensor parallelism
-        #: Where the dense head is faster on this machine, measured at `prepare` (a CPU head, one rank), and the
-        #: dense product it was timed beside (timed again when `n_probes` changes).
+        #: Where the dense head is faster on this machine, measured at `prepare` (a CPU head, one rank; its
+        #: greedy rows timed again when `n_probes` changes).
         self.step_costs: StepCosts | None = None
-        self._dense_product: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.spec: SpecState | None = None  # speculative decoding's parts (`flashhead/spec.py`), set by its maker
         #: Under speculative decoding, the drafter's own controller when FlashHead serves its head (`draft.py`).
         self.draft: FlashHeadController | None = None
@@ -275,10 +274,32 @@ class FlashHeadController:
             return
         if head.weight.device.type != "cpu":
             return
-        self._dense_product = dense
+        self._timed(
+            lambda step: measure_step_costs(
+                step,
+                dense,
+                int(head.weight.shape[1]),
+                dtype=head.weight.dtype,
+                sampled_rows=self.settings.probe_sampling,
+            )
+        )
+
+    def _time_again(self) -> None:
+        """A greedy row's cost follows `n_probes`: a timed head times its greedy rows again at the same batches
+        (a few seconds, between two steps), so that its steps keep going where they are faster."""
+        costs, head = self.step_costs, self.head
+        if costs is None or head is None:
+            return
+        self._timed(lambda step: retime_greedy(costs, step, int(head.weight.shape[1]), dtype=head.weight.dtype))
+
+    def _timed(self, measure: Callable[[Callable[[torch.Tensor, np.ndarray], torch.Tensor]], StepCosts]) -> None:
+        """`step_costs = measure(step)`, `step` being this head's decode step as `compute_logits` runs it
+        (pinned ids included); on any failure no costs (FlashHead on every step), logged."""
+        head = self.head
+        assert head is not None
         pins = self._pins.get((), head.weight) if self._pins is not None else None
 
-        def flashhead_step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
+        def step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
             logits = head.step_logits(hidden, sampled=sampled if self.settings.probe_sampling else None)
             if self._pins is not None:
                 self._pins.score(logits, hidden, pins, _identity)
@@ -286,13 +307,7 @@ class FlashHeadController:
 
         try:
             with torch.inference_mode():
-                self.step_costs = measure_step_costs(
-                    flashhead_step,
-                    dense,
-                    int(head.weight.shape[1]),
-                    dtype=head.weight.dtype,
-                    sampled_rows=self.settings.probe_sampling,
-                )
+                self.step_costs = measure(step)
         except Exception as exc:  # noqa: BLE001 - without a measurement FlashHead serves every step
             self.step_costs = None
             logger.warning(
@@ -312,12 +327,6 @@ class FlashHeadController:
             report.dense_from_greedy or "none",
             report.dense_from_sampled or "none",
         )
-
-    def _time_again(self) -> None:
-        """A greedy row's cost follows `n_probes`: a timed head is timed again (a few seconds at most, between
-        two steps) so that its steps keep going where they are faster."""
-        if self.step_costs is not None and self._dense_product is not None:
-            self.measure_costs(self._dense_product)
 
     def warm_up(self, hidden: torch.Tensor) -> None:
         """Run the head once on `hidden[:2]`, greedy and sampled, so that kernels are compiled and the

@@ -566,8 +566,12 @@ def test_a_new_probe_count_times_the_head_again(weight, monkeypatch):
     ctl.apply(FlashHeadUpdate(enabled=True))  # nothing a step's cost depends on: not timed again
     assert ctl.step_costs is first and len(calls) == timed
     ctl.apply(FlashHeadUpdate(n_probes=CLUSTERS))
-    assert ctl.step_costs is not first and len(calls) > timed
-    assert ctl.head.n_probes == CLUSTERS
+    again = ctl.step_costs
+    assert again is not None and again is not first and ctl.head.n_probes == CLUSTERS
+    # Only the greedy rows, whose cost follows the probes, are timed again: the dense product is not called.
+    assert len(calls) == timed
+    assert (again.batches, again.dense_s, again.sampled_s) == (first.batches, first.dense_s, first.sampled_s)
+    assert again.greedy_s != first.greedy_s
 
 
 @pytest.mark.parametrize("env_value", ["never", "9"])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from my_pkg.flashhead.step_costs import StepCosts, measure_step_costs
+from my_pkg.flashhead.step_costs import StepCosts, measure_step_costs, retime_greedy
 
 # A dense head flat to 8 rows then linear; FlashHead greedy 4x cheaper per row at one row, sampled rows dearer.
 COSTS = StepCosts(
@@ -175,3 +175,22 @@ def test_measurement_on_a_real_head_times_the_calls_serving_makes():
     assert costs.batches == (1, 8)
     assert all(t > 0 for t in (*costs.dense_s, *costs.greedy_s, *costs.sampled_s))
     assert (8, True) in calls and (8, False) in calls
+
+
+def test_retiming_greedy_rows_keeps_the_other_sides_and_their_batches():
+    clock = FakeClock()
+    seen: list[tuple[int, bool]] = []
+
+    def flashhead(hidden: torch.Tensor, sampled: np.ndarray) -> None:
+        seen.append((hidden.shape[0], bool(sampled.any())))
+        clock.now += 5.0 * hidden.shape[0]
+
+    again = retime_greedy(COSTS, flashhead, 16, dtype=torch.float32, clock=clock)
+    assert again.greedy_s == tuple(5.0 * rows for rows in COSTS.batches)
+    assert (again.batches, again.dense_s, again.sampled_s, again.margin) == (
+        COSTS.batches,
+        COSTS.dense_s,
+        COSTS.sampled_s,
+        COSTS.margin,
+    )
+    assert {rows for rows, _ in seen} == set(COSTS.batches) and not any(sampled for _, sampled in seen)
