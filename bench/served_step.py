@@ -53,7 +53,7 @@ def _plan_taken(controller: FlashHeadController, before: tuple[int, int], batch:
     return "sampled_dense"
 
 
-def _controller(vocab: int, hidden: int, dtype: torch.dtype, dense) -> tuple[FlashHeadController, torch.Tensor]:
+def _controller(vocab: int, hidden: int, dtype: torch.dtype, dense) -> FlashHeadController:
     from bench._report import fitted_tail_factors
 
     generator = torch.Generator().manual_seed(0)
@@ -71,7 +71,7 @@ def _controller(vocab: int, hidden: int, dtype: torch.dtype, dense) -> tuple[Fla
     started = time.perf_counter()
     controller.prepare(weight, dense=dense(weight))
     print(f"  built, warmed up and timed in {time.perf_counter() - started:.1f} s", flush=True)
-    return controller, weight
+    return controller
 
 
 def bench_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int], rounds: int, repeats: int) -> dict:
@@ -82,7 +82,7 @@ def bench_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int],
         products["fn"] = fn
         return fn
 
-    controller, weight = _controller(vocab, hidden, dtype, dense_for)
+    controller = _controller(vocab, hidden, dtype, dense_for)
     dense = products["fn"]
     costs = controller.step_costs
     if costs is None:

@@ -295,19 +295,9 @@ class FlashHeadController:
     def _timed(self, measure: Callable[[Callable[[torch.Tensor, np.ndarray], torch.Tensor]], StepCosts]) -> None:
         """`step_costs = measure(step)`, `step` being this head's decode step as `compute_logits` runs it
         (pinned ids included); on any failure no costs (FlashHead on every step), logged."""
-        head = self.head
-        assert head is not None
-        pins = self._pins.get((), head.weight) if self._pins is not None else None
-
-        def step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
-            logits = head.step_logits(hidden, sampled=sampled if self.settings.probe_sampling else None)
-            if self._pins is not None:
-                self._pins.score(logits, hidden, pins, _identity)
-            return logits
-
         try:
             with torch.inference_mode():
-                self.step_costs = measure(step)
+                self.step_costs = measure(self._head_step())
         except Exception as exc:  # noqa: BLE001 - without a measurement FlashHead serves every step
             self.step_costs = None
             logger.warning(
@@ -328,6 +318,21 @@ class FlashHeadController:
             report.dense_from_sampled or "none",
         )
 
+    def _head_step(self) -> Callable[[torch.Tensor, np.ndarray], torch.Tensor]:
+        """This head's decode step on `(hidden, sampled)` as `compute_logits` runs it, pinned ids included (the
+        step's stop ids and the model's logit scale aside): what the warm-up runs and the timing times."""
+        head, pins = self.head, self._pins
+        assert head is not None
+        pinned = pins.get((), head.weight) if pins is not None else None
+
+        def step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
+            logits = head.step_logits(hidden, sampled=sampled if self.settings.probe_sampling else None)
+            if pins is not None:
+                pins.score(logits, hidden, pinned, lambda x: x)
+            return logits
+
+        return step
+
     def warm_up(self, hidden: torch.Tensor) -> None:
         """Run the head once on `hidden[:2]`, greedy and sampled, so that kernels are compiled and the
         sampled rows' tables built before the first request; a head that fails here is dropped and the
@@ -336,11 +341,9 @@ class FlashHeadController:
             return
         rows = hidden[:2].detach()
         try:
-            pins = self._pins.get((), self.head.weight) if self._pins is not None else None
+            step = self._head_step()
             for sampled in (False, True) if self.settings.probe_sampling else (False,):
-                logits = self.head.step_logits(rows, sampled=np.full(rows.shape[0], sampled))
-                if self._pins is not None:
-                    self._pins.score(logits, rows, pins, lambda x: x)
+                step(rows, np.full(rows.shape[0], sampled))
         except Exception as exc:  # noqa: BLE001
             self.head = None
             self.make_unavailable("warm_up_failed", f"FlashHead failed its warm-up step: {type(exc).__name__}: {exc}")
@@ -461,11 +464,12 @@ class FlashHeadController:
             return self._all_dense(hidden, dense, "batch_threshold")
         dense_rows = np.flatnonzero(rows.dense_codes)
         if self.step_costs is not None:
-            plan = self._plan(rows, int(dense_rows.size))
+            flash_sampled = self._flash_sampled(rows)
+            plan = self._plan(rows, int(dense_rows.size), int(np.count_nonzero(flash_sampled)))
             if plan == "dense":
                 return self._all_dense(hidden, dense, "slower_than_dense")
             if plan == "sampled_dense":
-                rows = replace(rows, dense_codes=np.where(self._flash_sampled(rows), _SLOWER, rows.dense_codes))
+                rows = replace(rows, dense_codes=np.where(flash_sampled, _SLOWER, rows.dense_codes))
                 dense_rows = np.flatnonzero(rows.dense_codes)
         if dense_rows.size:
             reasons = np.bincount(rows.dense_codes[dense_rows], minlength=_SLOWER + 1)
@@ -520,10 +524,9 @@ class FlashHeadController:
             return np.zeros(rows.num_rows, dtype=bool)
         return (rows.dense_codes == 0) & rows.sampled
 
-    def _plan(self, rows: StepRows, num_dense: int) -> StepPlan:
+    def _plan(self, rows: StepRows, num_dense: int, sampled: int) -> StepPlan:
         """How the measured costs serve this step fastest (host numbers only)."""
         assert self.step_costs is not None
-        sampled = int(np.count_nonzero(self._flash_sampled(rows)))
         return self.step_costs.plan(
             rows.num_rows - num_dense - sampled, sampled, num_dense, check_every=self.settings.fidelity_every
         )
@@ -762,10 +765,6 @@ def status_without_controller(code: ReasonCode = "no_assets", reason: str = NO_A
         counters=Counters().snapshot(),
         spec=None,
     )
-
-
-def _identity(logits: torch.Tensor) -> torch.Tensor:
-    return logits
 
 
 def _milliseconds(seconds: Iterable[float]) -> list[float]:
