@@ -80,12 +80,17 @@ class StepCosts:
         return times[-1] + max(slope, 0.0) * (rows - last)
 
     def flashhead_s(self, greedy: int, sampled: int) -> float:
-        """Predicted seconds of FlashHead for a step of ``greedy`` and ``sampled`` rows."""
-        rows = greedy + sampled
-        if not rows:
-            return 0.0
-        sampled_times = self.sampled_s if self.sampled_s is not None else self.greedy_s
-        return (greedy * self._at(self.greedy_s, rows) + sampled * self._at(sampled_times, rows)) / rows
+        """Predicted seconds of FlashHead for a step of ``greedy`` and ``sampled`` rows: a step of each kind alone,
+        added.  A mixed step runs both kinds' fixed costs (stage 1 for its greedy rows, the estimate's
+        ``[V, r]`` table for its sampled ones), each about what a step of that kind alone pays; measured on
+        both shapes of ``bench.served_step`` within 10 % of its mixed steps, where the rows-weighted mean of
+        the two kinds at the step's size fell 15-25 % short.  Without sampled times (sampled rows scored as
+        greedy) one greedy step of all the rows."""
+        if self.sampled_s is None:
+            return self._at(self.greedy_s, greedy + sampled) if greedy + sampled else 0.0
+        return (self._at(self.greedy_s, greedy) if greedy else 0.0) + (
+            self._at(self.sampled_s, sampled) if sampled else 0.0
+        )
 
     def dense_s_at(self, rows: int) -> float:
         """Predicted seconds of the dense head for a step of ``rows`` rows."""

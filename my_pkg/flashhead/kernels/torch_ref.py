@@ -10,6 +10,10 @@ one ``mm`` per block.  The half-precision ``mm`` accumulates in float32 and roun
 (about twice as fast as ``bmm``/``mv`` on the same rows), and a block that small is reused
 by the allocator from step to step, where one gathered copy of every row of a batch
 (hundreds of MB) is a fresh mapping that is page-faulted in again on every step.
+A batch of several such rows is scored over the union of its ids (:func:`_logits_union`): each head row some
+row needs is gathered once and multiplied by all the batch's hidden rows in one ``mm``; where this CPU's
+``mm`` gives each column the values of its product alone (probed once, :func:`_mm_columns_exact`; bfloat16
+does here, float16 from some widths does not), the logits are those of the row-by-row path bit for bit.
 A batch of several rows with ``token_cluster`` is scored cluster by cluster instead
 (:func:`_logits_grouped`): the CSR pattern is transposed to ``[V', B]``, so each head row that
 some row of the batch probes is read once for all of them, not once per row.  The sparse kernel
@@ -46,6 +50,12 @@ _MIN_IDS_PER_PART = 256
 # Share of a small batch's candidate slots that are padding from which only the real members are scored
 # (`_candidates_sparse`): a vocabulary shard's clusters under tensor parallelism.
 _SKIP_PADDING_SHARE = 1 / 8
+
+# Smallest batch of a dtype without the sparse op scored over the union of its rows' ids (`_logits_union`), and
+# the hidden columns the probe of `mm` (`_mm_columns_exact`) compares.
+_UNION_MIN_ROWS = 2
+_UNION_PROBE_COLUMNS = 8
+_COLUMNS_EXACT: dict[tuple[torch.dtype, int], bool] = {}
 
 # Smallest batch scored cluster by cluster: below it the rows share few candidates, and the grouped
 # pattern costs a few passes over the head's rows to build (about 2 ms at 128,256 rows, one thread).
@@ -175,6 +185,58 @@ def _logits_blocked(
     return out
 
 
+def _logits_union(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_rows: int | None = None
+) -> torch.Tensor:
+    """:func:`_logits_blocked` of a batch, each head row that some row needs gathered once: the union of the
+    batch's ids, in ascending order and blocks of at most ``block_rows`` rows (the same byte budget), is
+    multiplied by every hidden row in one ``mm``, and each ``(row, id)`` reads its value.  Fewer rows gathered
+    when rows share ids (a batch's candidates and best-estimated tokens do), and one product by ``B`` columns
+    instead of ``B`` products by one.  The same values bit for bit where :func:`_mm_columns_exact` holds."""
+    b = ids.shape[0]
+    if block_rows is None:
+        block_rows = _CPU_GATHER_BLOCK_BYTES // max(1, weight.shape[1] * weight.element_size())
+    block_rows = max(1, block_rows)
+    needed = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+    needed[ids.reshape(-1)] = True
+    union = needed.nonzero().squeeze(1)
+    position = torch.cumsum(needed, 0).sub_(1)
+    products = torch.empty((union.numel(), b), dtype=weight.dtype, device=weight.device)
+    columns = hidden.t()
+    for start in range(0, union.numel(), block_rows):
+        stop = min(union.numel(), start + block_rows)
+        torch.mm(weight.index_select(0, union[start:stop]), columns, out=products[start:stop])
+    return products.t().gather(1, position[ids])
+
+
+def _mm_columns_exact(dtype: torch.dtype, hidden_size: int) -> bool:
+    """Whether this CPU's ``mm`` of gathered rows by several hidden columns gives each column, bit for bit, the
+    product by that column alone (the row-by-row path's), probed once per dtype and hidden size: only then is
+    a batch scored over its union (:func:`_logits_union`)."""
+    key = (dtype, hidden_size)
+    exact = _COLUMNS_EXACT.get(key)
+    if exact is None:
+        generator = torch.Generator().manual_seed(0)
+        rows = torch.randn(67, hidden_size, generator=generator).to(dtype)
+        hidden = torch.randn(_UNION_PROBE_COLUMNS, hidden_size, generator=generator).to(dtype)
+        together = torch.mm(rows, hidden.t())
+        exact = all(
+            torch.equal(together[:part, j : j + 1], torch.mm(rows[:part], hidden[j : j + 1].t()))
+            for j in range(_UNION_PROBE_COLUMNS)
+            for part in (rows.shape[0], 13)
+        )
+        _COLUMNS_EXACT[key] = exact
+    return exact
+
+
+def _logits_gathered(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` logits on the CPU path without the sparse op: over the batch's union of ids when it has
+    several rows and the values stay those of the row-by-row path, else row by row."""
+    if ids.shape[0] >= _UNION_MIN_ROWS and _mm_columns_exact(weight.dtype, weight.shape[1]):
+        return _logits_union(hidden, weight, ids)
+    return _logits_blocked(hidden, weight, ids)
+
+
 def _logits_grouped(
     hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor, token_cluster: torch.Tensor
 ) -> torch.Tensor:
@@ -256,7 +318,7 @@ def candidate_logits(
         if token_cluster is not None and ids.shape[0] >= _GROUPED_MIN_ROWS:
             return ids, _logits_grouped(hidden.contiguous(), weight, members, probes, token_cluster)
         return ids, _candidates_sparse(hidden.contiguous(), weight, ids, members.shape[1])
-    return ids, _logits_blocked(hidden, weight, ids)
+    return ids, _logits_gathered(hidden, weight, ids)
 
 
 def _tokens_grouped(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -295,4 +357,4 @@ def token_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) 
         if ids.shape[0] >= _GROUPED_MIN_ROWS:
             return _tokens_grouped(hidden.contiguous(), weight, ids)
         return _logits_sparse(hidden.contiguous(), weight, ids)
-    return _logits_blocked(hidden, weight, ids)
+    return _logits_gathered(hidden, weight, ids)

@@ -99,12 +99,76 @@ def test_a_head_with_empty_clusters_scores_a_batch_cluster_by_cluster_with_the_s
     torch.testing.assert_close(logits, torch.stack([weight[ids[r]] @ hidden[r] for r in range(rows)]))
 
 
-def test_dtypes_without_the_sparse_kernel_keep_the_blocked_path():
+def _rows_alone(monkeypatch, fn):
+    """``fn()`` with every batch of a dtype without the sparse op scored row by row (no union)."""
+    with monkeypatch.context() as m:
+        m.setattr(torch_ref, "_UNION_MIN_ROWS", 1 << 30)
+        return fn()
+
+
+@pytest.mark.parametrize("rows", [2, 6])
+def test_dtypes_without_the_sparse_kernel_score_a_batch_over_the_union_of_its_ids(monkeypatch, rows):
     head = _head(torch.bfloat16)
-    hidden = _hidden(6).bfloat16()
-    ids, logits = head.candidate_logits(hidden, head.select_probes(hidden))
-    want = torch.stack([(head.weight[ids[r]].float() @ hidden[r].float()) for r in range(6)])
+    hidden = _hidden(rows).bfloat16()
+    probes = head.select_probes(hidden)
+    gathered = []
+    real_union = torch_ref._logits_union
+    monkeypatch.setattr(torch_ref, "_mm_columns_exact", lambda dtype, hidden_size: True)
+    monkeypatch.setattr(torch_ref, "_logits_union", lambda *a: gathered.append(a[2].shape) or real_union(*a))
+    ids, logits = head.candidate_logits(hidden, probes)
+    assert gathered == [ids.shape]  # one union for the batch
+    want = torch.stack([(head.weight[ids[r]].float() @ hidden[r].float()) for r in range(rows)])
     torch.testing.assert_close(logits.float(), want, rtol=1.6e-2, atol=1e-2)
+    monkeypatch.setattr(torch_ref, "_mm_columns_exact", lambda dtype, hidden_size: False)
+    head.candidate_logits(hidden, probes)
+    assert gathered == [ids.shape]  # a CPU whose product by several columns differs: row by row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("block_rows", [1, 7, 10_000])
+def test_the_union_gives_each_row_its_own_ids_logits(dtype, block_rows):
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(300, 48, generator=g).to(dtype)
+    hidden = torch.randn(5, 48, generator=g).to(dtype)
+    ids = torch.randint(0, 300, (5, 90), generator=g)
+    ids[1] = ids[0]  # two rows with the same ids
+    ids[2, :30] = ids[2, 30]  # repeated ids within a row (cluster padding)
+    ids[4, :] = 299  # one id only, the head's last row
+    out = torch_ref._logits_union(hidden, weight, ids, block_rows)
+    assert out.shape == (5, 90) and out.dtype == dtype
+    exact = torch.einsum("bnh,bh->bn", weight[ids].double(), hidden.double())
+    torch.testing.assert_close(out.double(), exact, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
+    if torch_ref._mm_columns_exact(dtype, 48):  # what the serving path asks before taking the union
+        assert torch.equal(out, torch_ref._logits_blocked(hidden, weight, ids, block_rows))
+
+
+@pytest.mark.parametrize("sampled", ["greedy", "sampled", "mixed"])
+def test_a_bfloat16_batch_over_its_union_equals_each_row_alone_bit_for_bit(monkeypatch, sampled):
+    head = _head(torch.bfloat16)
+    hidden = _hidden(12, seed=7).bfloat16()
+    mask = {"greedy": np.zeros(12, bool), "sampled": np.ones(12, bool), "mixed": np.arange(12) % 3 == 0}[sampled]
+    if not torch_ref._mm_columns_exact(torch.bfloat16, HIDDEN):
+        # This CPU's product by several columns rounds differently: the batch is scored row by row.
+        assert torch.equal(
+            head.step_logits(hidden, sampled=mask),
+            _rows_alone(monkeypatch, lambda: head.step_logits(hidden, sampled=mask)),
+        )
+        return
+    got = head.step_logits(hidden, sampled=mask)
+    want = _rows_alone(monkeypatch, lambda: head.step_logits(hidden, sampled=mask))
+    assert torch.equal(got, want)
+
+
+def test_the_probe_of_the_cpu_product_is_asked_once_per_dtype_and_width(monkeypatch):
+    monkeypatch.setattr(torch_ref, "_COLUMNS_EXACT", {})
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append(1) or real_mm(*a, **k))
+    first = torch_ref._mm_columns_exact(torch.bfloat16, 40)
+    probed = len(calls)
+    assert probed > 0 and torch_ref._mm_columns_exact(torch.bfloat16, 40) is first and len(calls) == probed
+    torch_ref._mm_columns_exact(torch.bfloat16, 41)
+    assert len(calls) > probed
 
 
 def test_a_mixed_batch_in_one_pass_equals_its_greedy_and_sampled_parts():

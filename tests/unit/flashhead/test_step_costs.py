@@ -27,10 +27,19 @@ def test_greedy_and_sampled_steps_go_dense_where_they_stop_paying():
     assert COSTS.dense_from(sampled=True) == 4
 
 
-def test_a_mixed_step_weighs_each_kind_by_its_rows_and_counts_its_dense_rows():
-    # 3 greedy + 1 sampled at 4 rows: (3 * 4 + 1 * 8) / 4 = 5 < 8: as asked.
+def test_a_mixed_step_costs_a_step_of_each_kind_and_counts_its_dense_rows():
+    # 3 greedy + 1 sampled: greedy(3) + sampled(1) = 3 + 2 = 5 < dense(4) = 8: as asked.
     assert COSTS.flashhead_s(3, 1) == pytest.approx(5.0)
     assert COSTS.plan(3, 1) == "flashhead"
+    # Each kind's fixed cost is paid once per kind: with times that grow slowly, 4 greedy + 4 sampled cost
+    # greedy(4) + sampled(4) = 20 / 7 + 30 / 7 = 7.14, above a flat dense 7: dense.  The rows-weighted mean at
+    # 8 rows ((4 * 4 + 4 * 6) / 8 = 5) would have served it with FlashHead.
+    flat = StepCosts((1, 8), dense_s=(7.0, 7.0), greedy_s=(2.0, 4.0), sampled_s=(3.0, 6.0), margin=1.0)
+    assert flat.flashhead_s(4, 4) == pytest.approx(50 / 7)
+    assert flat.plan(4, 4) == "dense" and flat.plan(8, 0) == flat.plan(0, 8) == "flashhead"
+    # Without sampled times the sampled rows are greedy ones: one greedy step of all the rows.
+    greedy_only = StepCosts(COSTS.batches, COSTS.dense_s, COSTS.greedy_s, None, margin=1.0)
+    assert greedy_only.flashhead_s(4, 4) == pytest.approx(8.0)
     # The same with 4 rows that need the dense head: 5 + dense(4) = 13 against dense(8) = 8.
     assert COSTS.plan(3, 1, 4) == "dense"
     assert COSTS.plan(0, 0, 5) == "flashhead"  # no FlashHead row: nothing to decide
@@ -39,12 +48,12 @@ def test_a_mixed_step_weighs_each_kind_by_its_rows_and_counts_its_dense_rows():
 
 
 def test_sampled_rows_alone_go_dense_where_greedy_rows_still_pay():
-    costs = StepCosts((1, 8), dense_s=(4.0, 8.0), greedy_s=(1.0, 4.0), sampled_s=(2.0, 20.0), margin=1.0)
-    # 6 greedy + 2 sampled: as asked (6 * 4 + 2 * 20) / 8 = 8, all dense 8, the sampled rows dense:
-    # greedy(6) = 1 + 5 * 3 / 7 and dense(2) = 4 + 4 / 7, 7.71 together.
+    costs = StepCosts((1, 8), dense_s=(4.0, 8.0), greedy_s=(1.0, 4.0), sampled_s=(3.0, 20.0), margin=1.0)
+    # 6 greedy + 2 sampled: as asked greedy(6) + sampled(2) = 22 / 7 + 38 / 7 = 8.57, all dense 8, the sampled
+    # rows dense: greedy(6) = 1 + 5 * 3 / 7 and dense(2) = 4 + 4 / 7, 7.71 together.
     assert costs.flashhead_s(6, 0) + costs.dense_s_at(2) == pytest.approx(54 / 7)
     assert costs.plan(6, 2) == "sampled_dense"
-    # 4 greedy + 4 sampled: as asked 12, all dense 8, sampled rows dense 16 / 7 + 40 / 7 = 8: the tie goes dense.
+    # 4 greedy + 4 sampled: as asked 88 / 7, all dense 8, sampled rows dense 16 / 7 + 40 / 7 = 8: the tie goes dense.
     assert costs.plan(4, 4) == "dense"
     assert costs.plan(8, 0) == "flashhead" and costs.plan(0, 8) == "dense"
 

@@ -1,0 +1,62 @@
+"""`bench/union_rows.py` on a tiny head: both ways timed with the same logits, the switch restored whatever
+happens, and the union's share measured on what the rows really score."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from bench import union_rows
+from my_pkg.flashhead.kernels import torch_ref
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(hidden=32, vocab=1024, dtype="bfloat16", batches=[1, 4], shared=[0.0, 0.9], repeats=1, rounds=2)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_both_ways_are_timed_and_the_switch_is_restored():
+    before = torch_ref._UNION_MIN_ROWS
+    rows = union_rows.run(_args())
+    assert torch_ref._UNION_MIN_ROWS == before
+    assert [(r["shared"], r["batch"]) for r in rows] == [(0.0, 1), (0.0, 4), (0.9, 1), (0.9, 4)]
+    for row in rows:
+        assert all(row[f"{kind} {way}"] > 0 for kind in union_rows.KINDS for way in union_rows.WAYS)
+        assert row["dense"] > 0
+        if torch_ref._mm_columns_exact(torch.bfloat16, 32):
+            assert row["greedy equal"] and row["sampled equal"]
+    # One row shares nothing with itself; rows that point the same way share candidates.
+    by_key = {(r["shared"], r["batch"]): r for r in rows}
+    assert by_key[(0.0, 1)]["greedy share"] == 1.0
+    assert by_key[(0.9, 4)]["greedy share"] < by_key[(0.0, 4)]["greedy share"]
+
+
+def test_the_switch_is_restored_when_a_step_fails(monkeypatch):
+    before = torch_ref._UNION_MIN_ROWS
+    step_logits = union_rows.FlashHead.step_logits
+
+    def fail_row_by_row(self, *args, **kwargs):
+        if torch_ref._UNION_MIN_ROWS != before:
+            raise RuntimeError("boom")
+        return step_logits(self, *args, **kwargs)
+
+    monkeypatch.setattr(union_rows.FlashHead, "step_logits", fail_row_by_row)
+    with pytest.raises(RuntimeError):
+        union_rows.run(_args(batches=[4], shared=[0.0]))
+    assert torch_ref._UNION_MIN_ROWS == before
+
+
+def test_the_share_counts_distinct_ids_over_all_ids():
+    head = union_rows._head(1024, 32, torch.float32)
+    hidden = torch.randn(1, 32)
+    assert union_rows.union_share(head, hidden.expand(3, -1), "greedy") == pytest.approx(1 / 3)
+    assert union_rows.union_share(head, hidden.expand(2, -1), "sampled") == pytest.approx(1 / 2)
+    assert union_rows.union_share(head, hidden, "sampled") == 1.0
+
+
+def test_the_trained_fixture_rows_share_some_of_their_ids():
+    shares = union_rows.fixture_shares([1, 8], draws=3)
+    assert shares[1] == {"greedy": 1.0, "sampled": 1.0}
+    assert 0.0 < shares[8]["greedy"] < 1.0 and 0.0 < shares[8]["sampled"] < 1.0
