@@ -90,7 +90,7 @@ def bench_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int],
     report = controller.status().step_costs
     print(
         f"  timed at start-up at {report.batches} rows: dense {report.dense_ms} ms, greedy {report.greedy_ms} ms, "
-        f"sampled {report.sampled_ms} ms",
+        f"sampled {report.sampled_ms} ms, mixed {report.mixed_ms} ms",
         flush=True,
     )
     generator = torch.Generator().manual_seed(1)
@@ -138,8 +138,8 @@ def bench_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int],
     return {"vocab": vocab, "hidden": hidden, "rows": rows_out, "costs": report, "dense": products["name"]}
 
 
-def _rounded(times: list[float] | None) -> list[float] | None:
-    return [round(ms, 1) for ms in times] if times is not None else None
+def _rounded(times: list[float | None] | None) -> list[float | None] | None:
+    return [None if ms is None else round(ms, 1) for ms in times] if times is not None else None
 
 
 def _from(rows: int | None) -> str:
@@ -165,7 +165,8 @@ def to_markdown(results: list[dict], dtype: torch.dtype, rounds: int, machine: s
         costs = r["costs"]
         out.append(
             f"**{r['vocab']:,} × {r['hidden']:,}**: timed at start-up (ms) at {costs.batches} rows: dense "
-            f"{_rounded(costs.dense_ms)}, greedy {_rounded(costs.greedy_ms)}, sampled {_rounded(costs.sampled_ms)}; "
+            f"{_rounded(costs.dense_ms)}, greedy {_rounded(costs.greedy_ms)}, sampled {_rounded(costs.sampled_ms)}, "
+            f"mixed {_rounded(costs.mixed_ms)}; "
             f"a step of only greedy rows goes to the dense head {_from(costs.dense_from_greedy)}, of only sampled "
             f"rows {_from(costs.dense_from_sampled)}."
         )

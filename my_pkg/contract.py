@@ -369,6 +369,11 @@ class StepCostsReport(WorkerReply):
         description="Fastest of a few runs, in milliseconds, of FlashHead with every row sampled; null without "
         "probe sampling.",
     )
+    mixed_ms: list[float | None] | None = Field(
+        default=None,
+        description="Fastest of a few runs, in milliseconds, of FlashHead with every other row sampled (null at one "
+        "row); null without probe sampling.",
+    )
     dense_from_greedy: int | None = Field(
         default=None, description="Smallest timed batch at which a step of greedy rows goes dense; null: none."
     )

@@ -7,9 +7,10 @@ known machines, :func:`measure_step_costs` times both on this one, on the head a
 batches of 1, 2, 4, ... rows (as many as a time budget allows), and :class:`StepCosts` predicts a
 step's cost from the measured points:
 
-* ``g`` greedy and ``s`` sampled FlashHead rows cost the measured greedy and sampled step times at
-  ``g + s`` rows, weighted by the rows' shares, plus the live fidelity check's share of a dense row each;
-  rows served dense cost the dense head's time at their count;
+* ``g`` greedy FlashHead rows cost the measured greedy step time at ``g`` rows, ``s`` sampled ones the
+  sampled step time at ``s``; a step with both costs the two added, less what the measured mixed steps
+  (every other row sampled) of ``g + s`` rows saved on such a sum; each FlashHead row adds the live
+  fidelity check's share of a dense row; rows served dense cost the dense head's time at their count;
 * between measured batches the times are interpolated linearly; beyond the largest measured batch each
   side's time grows at the rate it grew between the last two (a dense GEMM costs less per row at 32
   rows than at 8, so growing in proportion would overstate it).
@@ -51,20 +52,25 @@ MEASURE_BUDGET_S = 4.0
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds of one step (the fastest of a few runs) at each of ``batches`` rows: the dense head, FlashHead
-    with every row greedy, and FlashHead with every row sampled (None when sampled rows are served as greedy
-    ones)."""
+    with every row greedy, FlashHead with every row sampled (None when sampled rows are served as greedy
+    ones), and FlashHead with every other row sampled (``mixed_s``: NaN at one row, which cannot mix; None
+    when not timed)."""
 
     batches: tuple[int, ...]
     dense_s: tuple[float, ...]
     greedy_s: tuple[float, ...]
     sampled_s: tuple[float, ...] | None
+    mixed_s: tuple[float, ...] | None = None
     #: FlashHead's predicted time counts this many times over (the module docstring says why).
     margin: float = 1.1
 
     def __post_init__(self) -> None:
         sizes = {len(self.batches), len(self.dense_s), len(self.greedy_s)}
-        if self.sampled_s is not None:
-            sizes.add(len(self.sampled_s))
+        for times in (self.sampled_s, self.mixed_s):
+            if times is not None:
+                sizes.add(len(times))
+        if self.mixed_s is not None and self.sampled_s is None:
+            raise ValueError("StepCosts: mixed steps were timed without sampled rows")
         if len(sizes) != 1 or not self.batches:
             raise ValueError("StepCosts needs one time per batch on every side, and at least one batch")
         if list(self.batches) != sorted(set(self.batches)) or self.batches[0] < 1:
@@ -80,17 +86,32 @@ class StepCosts:
         return times[-1] + max(slope, 0.0) * (rows - last)
 
     def flashhead_s(self, greedy: int, sampled: int) -> float:
-        """Predicted seconds of FlashHead for a step of ``greedy`` and ``sampled`` rows: a step of each kind alone,
-        added.  A mixed step runs both kinds' fixed costs (stage 1 for its greedy rows, the estimate's
-        ``[V, r]`` table for its sampled ones), each about what a step of that kind alone pays; measured on
-        both shapes of ``bench.served_step`` within 10 % of its mixed steps, where the rows-weighted mean of
-        the two kinds at the step's size fell 15-25 % short.  Without sampled times (sampled rows scored as
-        greedy) one greedy step of all the rows."""
+        """Predicted seconds of FlashHead for a step of ``greedy`` and ``sampled`` rows.  A mixed step pays both
+        kinds' fixed costs (stage 1 for its greedy rows, the estimate's ``[V, r]`` table for its sampled ones),
+        so it is predicted as a step of each kind alone, added, less what the timed mixed steps of as many rows
+        saved on that sum (:meth:`mixed_saving_s`: the kinds share one pass over the head).  Without sampled
+        times (sampled rows scored as greedy) one greedy step of all the rows."""
         if self.sampled_s is None:
             return self._at(self.greedy_s, greedy + sampled) if greedy + sampled else 0.0
-        return (self._at(self.greedy_s, greedy) if greedy else 0.0) + (
-            self._at(self.sampled_s, sampled) if sampled else 0.0
-        )
+        if not sampled:
+            return self._at(self.greedy_s, greedy) if greedy else 0.0
+        if not greedy:
+            return self._at(self.sampled_s, sampled)
+        alone = (self._at(self.greedy_s, greedy), self._at(self.sampled_s, sampled))
+        return max(*alone, sum(alone) - self.mixed_saving_s(greedy + sampled))
+
+    def mixed_saving_s(self, rows: int) -> float:
+        """What a timed mixed step of ``rows`` rows (every other row sampled) cost less than a greedy step of half
+        its rows and a sampled step of the other half (negative where it cost more), interpolated between the
+        timed batches and held beyond them; 0 where no mixed step was timed."""
+        if self.mixed_s is None:
+            return 0.0
+        assert self.sampled_s is not None
+        timed = [(b, m) for b, m in zip(self.batches, self.mixed_s, strict=True) if b >= 2 and not math.isnan(m)]
+        if not timed:
+            return 0.0
+        saved = [self._at(self.greedy_s, b // 2) + self._at(self.sampled_s, b - b // 2) - m for b, m in timed]
+        return float(np.interp(rows, [b for b, _ in timed], saved))
 
     def dense_s_at(self, rows: int) -> float:
         """Predicted seconds of the dense head for a step of ``rows`` rows."""
@@ -181,16 +202,18 @@ def measure_step_costs(
     passes: int = 2,
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepCosts:
-    """Time ``dense_step(hidden)`` and ``flashhead_step(hidden, sampled)`` (greedy rows, then sampled rows
-    when ``sampled_rows``) on random CPU hidden states at each of ``batches`` rows, ``repeats`` times
-    after one untimed call, the sides taking turns, until ``budget_s`` is spent; then ``passes - 1`` more
-    times over the batches the first pass reached. Each side's time is its fastest run (another process's
-    work only ever adds time; the first pass over fresh memory can run slow at some sizes).
+    """Time ``dense_step(hidden)`` and ``flashhead_step(hidden, sampled)`` (greedy rows, then, when
+    ``sampled_rows``, sampled rows and mixed steps of every other row sampled) on random CPU hidden states at
+    each of ``batches`` rows, ``repeats`` times after one untimed call, the sides taking turns, until
+    ``budget_s`` is spent; then ``passes - 1`` more times over the batches the first pass reached.  Each
+    side's time is its fastest run (another process's work only ever adds time; the first pass over fresh
+    memory can run slow at some sizes).
 
     CPU only: the calls are timed by the host clock, which on an accelerator would time the launch.
     The hidden states are random: a row scores a fixed number of clusters and estimated tokens whatever
-    its values, and random rows probe unrelated clusters, as different requests' rows mostly do (a batch
-    whose rows share clusters costs less: the batched path reads each probed cluster once).
+    its values, and random rows probe unrelated clusters and rank unrelated tokens best, which makes the
+    times an upper bound: decode rows of real text share some (half of their ids at 8 rows on the trained
+    fixture, ``python -m bench.union_rows --fixture``), and a batch reads each shared head row once.
     """
     hidden = _hidden(max(batches), hidden_size, dtype)
 
@@ -202,6 +225,8 @@ def measure_step_costs(
         }
         if sampled_rows:
             runs["sampled"] = partial(flashhead_step, part, np.ones(rows, dtype=bool))
+            if rows >= 2:
+                runs["mixed"] = partial(flashhead_step, part, _mixed(rows))
         return runs
 
     fastest = _time_batches(runs_at, batches, budget_s=budget_s, repeats=repeats, passes=passes, clock=clock)
@@ -211,7 +236,13 @@ def measure_step_costs(
         tuple(fastest[rows]["dense"] for rows in measured),
         tuple(fastest[rows]["greedy"] for rows in measured),
         tuple(fastest[rows]["sampled"] for rows in measured) if sampled_rows else None,
+        tuple(fastest[rows].get("mixed", math.nan) for rows in measured) if sampled_rows else None,
     )
+
+
+def _mixed(rows: int) -> np.ndarray:
+    """Every other row sampled."""
+    return np.arange(rows) % 2 == 1
 
 
 def retime_greedy(
@@ -224,13 +255,21 @@ def retime_greedy(
     passes: int = 2,
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepCosts:
-    """``costs`` with its greedy rows timed again at its batches, as :func:`measure_step_costs` times them: a
-    greedy row's cost follows the head's probe count, the dense head's and a sampled row's do not (about a
-    third of the first timing's time)."""
+    """``costs`` with its greedy rows, and the mixed steps that hold some, timed again at its batches, as
+    :func:`measure_step_costs` times them: a greedy row's cost follows the head's probe count, the dense head's
+    and a sampled row's do not (about half of the first timing's time)."""
     hidden = _hidden(costs.batches[-1], hidden_size, dtype)
+    mixed = costs.mixed_s is not None
 
     def runs_at(rows: int) -> dict[str, Callable[[], object]]:
-        return {"greedy": partial(flashhead_step, hidden[:rows], np.zeros(rows, dtype=bool))}
+        runs = {"greedy": partial(flashhead_step, hidden[:rows], np.zeros(rows, dtype=bool))}
+        if mixed and rows >= 2:
+            runs["mixed"] = partial(flashhead_step, hidden[:rows], _mixed(rows))
+        return runs
 
     fastest = _time_batches(runs_at, costs.batches, budget_s=math.inf, repeats=repeats, passes=passes, clock=clock)
-    return replace(costs, greedy_s=tuple(fastest[rows]["greedy"] for rows in costs.batches))
+    return replace(
+        costs,
+        greedy_s=tuple(fastest[rows]["greedy"] for rows in costs.batches),
+        mixed_s=tuple(fastest[rows].get("mixed", math.nan) for rows in costs.batches) if mixed else None,
+    )

@@ -32,6 +32,7 @@ reach it as plain arguments.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -307,13 +308,15 @@ class FlashHeadController:
         report = self._step_costs_report()
         assert report is not None
         logger.info(
-            "my_pkg: FlashHead timed beside the dense head at %s rows: dense %s ms, greedy %s ms, sampled %s ms; "
+            "my_pkg: FlashHead timed beside the dense head at %s rows: dense %s ms, greedy %s ms, sampled %s ms, "
+            "mixed %s ms; "
             "steps the dense head serves faster go dense (greedy from %s rows, sampled from %s rows; "
             "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD=never: FlashHead at every batch)",
             report.batches,
             report.dense_ms,
             report.greedy_ms,
             report.sampled_ms,
+            report.mixed_ms,
             report.dense_from_greedy or "none",
             report.dense_from_sampled or "none",
         )
@@ -639,6 +642,9 @@ class FlashHeadController:
             dense_ms=_milliseconds(costs.dense_s),
             greedy_ms=_milliseconds(costs.greedy_s),
             sampled_ms=_milliseconds(costs.sampled_s) if costs.sampled_s is not None else None,
+            mixed_ms=[None if math.isnan(ms) else ms for ms in _milliseconds(costs.mixed_s)]
+            if costs.mixed_s is not None
+            else None,
             dense_from_greedy=costs.dense_from(sampled=False, check_every=every),
             dense_from_sampled=costs.dense_from(sampled=True, check_every=every)
             if costs.sampled_s is not None

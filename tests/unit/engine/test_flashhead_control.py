@@ -548,6 +548,8 @@ def test_prepare_times_the_head_beside_the_dense_product_when_no_threshold_is_se
     assert set(dense_rows) == set(costs.batches)  # the dense side is the product it was given
     for side in (costs.dense_ms, costs.greedy_ms, costs.sampled_ms):
         assert len(side) == len(costs.batches) and all(ms > 0 for ms in side)
+    assert costs.mixed_ms is not None and costs.mixed_ms[0] is None  # no mixed step of one row
+    assert len(costs.mixed_ms) == len(costs.batches) and all(ms > 0 for ms in costs.mixed_ms[1:])
     assert ctl.settings.dense_batch_threshold is None  # the measurement decides per step, not a threshold
 
 
@@ -568,10 +570,11 @@ def test_a_new_probe_count_times_the_head_again(weight, monkeypatch):
     ctl.apply(FlashHeadUpdate(n_probes=CLUSTERS))
     again = ctl.step_costs
     assert again is not None and again is not first and ctl.head.n_probes == CLUSTERS
-    # Only the greedy rows, whose cost follows the probes, are timed again: the dense product is not called.
+    # Only the greedy rows and the mixed steps, whose cost follows the probes, are timed again: the dense
+    # product is not called.
     assert len(calls) == timed
     assert (again.batches, again.dense_s, again.sampled_s) == (first.batches, first.dense_s, first.sampled_s)
-    assert again.greedy_s != first.greedy_s
+    assert again.greedy_s != first.greedy_s and again.mixed_s != first.mixed_s
 
 
 @pytest.mark.parametrize("env_value", ["never", "9"])

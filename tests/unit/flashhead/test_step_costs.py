@@ -47,6 +47,31 @@ def test_a_mixed_step_costs_a_step_of_each_kind_and_counts_its_dense_rows():
     assert COSTS.plan(8, 8) == "dense"
 
 
+def test_a_timed_mixed_step_corrects_the_sum_of_its_kinds():
+    nan = float("nan")
+    base = dict(batches=(1, 8, 16), dense_s=(7.0, 7.0, 9.0), greedy_s=(2.0, 4.0, 6.0), sampled_s=(3.0, 6.0, 9.0))
+    # The kinds shared one pass: 4 + 4 rows timed at 5.5, where greedy(4) + sampled(4) = 50 / 7.
+    shared = StepCosts(**base, mixed_s=(nan, 5.5, 8.0), margin=1.0)
+    assert shared.mixed_saving_s(8) == pytest.approx(50 / 7 - 5.5)
+    assert shared.flashhead_s(4, 4) == pytest.approx(5.5)  # the timed step itself
+    assert shared.plan(4, 4) == "flashhead"
+    # 7 + 1 rows: greedy(7) + sampled(1) less the same saving, and never below either kind alone.
+    assert shared.flashhead_s(7, 1) == pytest.approx(max(2 + 12 / 7, 2 + 12 / 7 + 3 - (50 / 7 - 5.5)))
+    # Between the timed batches the saving is interpolated, beyond the last it is held.
+    at_16 = 4 + 6 - 8.0
+    assert shared.mixed_saving_s(12) == pytest.approx(((50 / 7 - 5.5) + at_16) / 2)
+    assert shared.mixed_saving_s(64) == pytest.approx(at_16)
+    # Mixed steps that cost more than the two kinds alone (a path without the shared pass): dense.
+    dearer = StepCosts(**base, mixed_s=(nan, 9.0, 14.0), margin=1.0)
+    assert dearer.flashhead_s(4, 4) == pytest.approx(9.0)
+    assert dearer.plan(4, 4) == "dense"
+    # Timed at one row only (nothing to mix): the sum.
+    one = StepCosts((1,), (7.0,), (2.0,), (3.0,), (nan,), margin=1.0)
+    assert one.mixed_saving_s(2) == 0.0 and one.flashhead_s(1, 1) == pytest.approx(5.0)
+    with pytest.raises(ValueError):
+        StepCosts((1, 2), (1.0, 1.0), (1.0, 1.0), None, (nan, 1.0))  # mixed steps without sampled rows
+
+
 def test_sampled_rows_alone_go_dense_where_greedy_rows_still_pay():
     costs = StepCosts((1, 8), dense_s=(4.0, 8.0), greedy_s=(1.0, 4.0), sampled_s=(3.0, 20.0), margin=1.0)
     # 6 greedy + 2 sampled: as asked greedy(6) + sampled(2) = 22 / 7 + 38 / 7 = 8.57, all dense 8, the sampled
@@ -128,10 +153,11 @@ def test_measurement_times_each_side_at_each_batch_with_the_rows_it_is_given():
 
     def flashhead(hidden: torch.Tensor, sampled: np.ndarray) -> None:
         assert sampled.shape == (hidden.shape[0],) and sampled.dtype == bool
-        kind = bool(sampled.all())
-        assert kind or not sampled.any()
+        kind = "sampled" if sampled.all() else "greedy" if not sampled.any() else "mixed"
+        if kind == "mixed":
+            assert sampled.tolist() == [False, True] * (hidden.shape[0] // 2)  # every other row
         seen.append(("flash", hidden.shape[0], kind))
-        clock.now += hidden.shape[0] * (3.0 if kind else 1.0)
+        clock.now += hidden.shape[0] * {"greedy": 1.0, "sampled": 3.0, "mixed": 2.5}[kind]
 
     costs = measure_step_costs(
         flashhead, dense, 16, dtype=torch.float32, sampled_rows=True, batches=(1, 4, 16), budget_s=1e9, clock=clock
@@ -140,11 +166,14 @@ def test_measurement_times_each_side_at_each_batch_with_the_rows_it_is_given():
     assert costs.dense_s == (10.0, 10.0, 10.0)
     assert costs.greedy_s == (1.0, 4.0, 16.0)
     assert costs.sampled_s == (3.0, 12.0, 48.0)
+    assert costs.mixed_s is not None and np.isnan(costs.mixed_s[0]) and costs.mixed_s[1:] == (10.0, 40.0)
     assert costs.dense_from(sampled=False) == 16 and costs.dense_from(sampled=True) == 4
-    # Two passes; in each, one untimed call then two timed ones per side and batch, the sides taking turns.
-    assert len(seen) == 2 * 3 * 3 * 3
-    assert [kind for _, rows, kind in seen if rows == 4][3:6] == [None, False, True]
+    # Two passes; in each, one untimed call then two timed ones per side and batch, the sides taking turns (no
+    # mixed step of one row).
+    assert len(seen) == 2 * 3 * (3 + 4 + 4)
+    assert [kind for _, rows, kind in seen if rows == 4][4:8] == [None, "greedy", "sampled", "mixed"]
     assert {rows for _, rows, _ in seen} == {1, 4, 16}
+    assert {rows for _, rows, kind in seen if kind == "mixed"} == {4, 16}
 
 
 def test_measurement_stops_at_its_budget_and_without_sampled_rows_times_greedy_only():
@@ -203,3 +232,18 @@ def test_retiming_greedy_rows_keeps_the_other_sides_and_their_batches():
         COSTS.margin,
     )
     assert {rows for rows, _ in seen} == set(COSTS.batches) and not any(sampled for _, sampled in seen)
+
+
+def test_retiming_greedy_rows_times_the_mixed_steps_again_too():
+    clock = FakeClock()
+    seen: list[tuple[int, int]] = []
+
+    def flashhead(hidden: torch.Tensor, sampled: np.ndarray) -> None:
+        seen.append((hidden.shape[0], int(sampled.sum())))
+        clock.now += 5.0 * hidden.shape[0] + sampled.sum()
+
+    timed = StepCosts((1, 4), (8.0, 8.0), (1.0, 4.0), (2.0, 8.0), (float("nan"), 7.0))
+    again = retime_greedy(timed, flashhead, 16, dtype=torch.float32, clock=clock)
+    assert again.greedy_s == (5.0, 20.0) and again.sampled_s == timed.sampled_s
+    assert np.isnan(again.mixed_s[0]) and again.mixed_s[1] == 22.0
+    assert {count for _, count in seen} == {0, 2}  # greedy steps and mixed ones (2 of 4 rows sampled)
