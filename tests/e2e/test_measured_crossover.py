@@ -22,9 +22,16 @@ def _status(http) -> dict:
 
 def _costs(report: dict) -> StepCosts:
     def seconds(side: str) -> tuple[float, ...] | None:
-        return tuple(ms / 1e3 for ms in report[side]) if report[side] is not None else None
+        times = report[side]
+        return tuple(float("nan") if ms is None else ms / 1e3 for ms in times) if times is not None else None
 
-    return StepCosts(tuple(report["batches"]), seconds("dense_ms"), seconds("greedy_ms"), seconds("sampled_ms"))
+    return StepCosts(
+        tuple(report["batches"]),
+        seconds("dense_ms"),
+        seconds("greedy_ms"),
+        seconds("sampled_ms"),
+        seconds("mixed_ms"),
+    )
 
 
 def test_the_server_reports_its_timing_and_serves_each_step_as_it_predicts(measured_server):
@@ -35,6 +42,8 @@ def test_the_server_reports_its_timing_and_serves_each_step_as_it_predicts(measu
         assert report is not None, status
         assert report["batches"][0] == 1 and report["batches"] == sorted(report["batches"])
         assert all(ms > 0 for side in ("dense_ms", "greedy_ms", "sampled_ms") for ms in report[side])
+        mixed = report["mixed_ms"]  # every other row sampled: none at one row
+        assert len(mixed) == len(report["batches"]) and mixed[0] is None and all(ms > 0 for ms in mixed[1:])
         costs, every = _costs(report), status["fidelity_every"]
         assert report["dense_from_greedy"] == costs.dense_from(sampled=False, check_every=every)
         assert report["dense_from_sampled"] == costs.dense_from(sampled=True, check_every=every)
