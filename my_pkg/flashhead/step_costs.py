@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from typing import Literal
 
 import numpy as np
@@ -104,14 +104,18 @@ class StepCosts:
         """What a timed mixed step of ``rows`` rows (every other row sampled) cost less than a greedy step of half
         its rows and a sampled step of the other half (negative where it cost more), interpolated between the
         timed batches and held beyond them; 0 where no mixed step was timed."""
-        if self.mixed_s is None:
-            return 0.0
-        assert self.sampled_s is not None
+        batches, saved = self._mixed_savings
+        return float(np.interp(rows, batches, saved)) if batches else 0.0
+
+    @cached_property
+    def _mixed_savings(self) -> tuple[list[int], list[float]]:
+        """The timed mixed steps' batches and savings (:meth:`mixed_saving_s`), computed once, not per step."""
+        if self.mixed_s is None or self.sampled_s is None:
+            return [], []
         timed = [(b, m) for b, m in zip(self.batches, self.mixed_s, strict=True) if b >= 2 and not math.isnan(m)]
-        if not timed:
-            return 0.0
-        saved = [self._at(self.greedy_s, b // 2) + self._at(self.sampled_s, b - b // 2) - m for b, m in timed]
-        return float(np.interp(rows, [b for b, _ in timed], saved))
+        # `_mixed(b)` samples b // 2 rows and leaves the other b - b // 2 greedy.
+        saved = [self._at(self.greedy_s, b - b // 2) + self._at(self.sampled_s, b // 2) - m for b, m in timed]
+        return [b for b, _ in timed], saved
 
     def dense_s_at(self, rows: int) -> float:
         """Predicted seconds of the dense head for a step of ``rows`` rows."""
