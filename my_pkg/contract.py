@@ -348,6 +348,11 @@ class FlashHeadCounters(WorkerReply):
     rows_dense_draft: int = Field(
         default=0, description="Draft rows of a FlashHead drafter served by its dense head (FlashHead off, a fallback)."
     )
+    stage1_exchanges: int = Field(
+        default=0,
+        description="Under tensor parallelism: decode steps on which this rank exchanged its best clusters with the "
+        "other ranks (the same count on every rank; steps served dense on every rank exchange nothing).",
+    )
 
 
 SampledEstimate = Literal["fitted", "weight_only", "off"]
@@ -379,6 +384,18 @@ class StepCostsReport(WorkerReply):
     )
     dense_from_sampled: int | None = Field(
         default=None, description="Smallest timed batch at which a step of sampled rows goes dense; null: none."
+    )
+    dense_from: int | None = Field(
+        default=None,
+        description="Smallest timed batch from which a step goes dense whatever its rows (greedy, sampled or "
+        "mixed), at it and every larger timed batch; null: none.",
+    )
+    dense_from_agreed: int | None = Field(
+        default=None,
+        description="Under tensor parallelism: `dense_from` of the ranks' agreed timing (each side's slowest rank at "
+        "each batch), read at the first stage-1 exchange; every rank plans its steps from that timing, and steps "
+        "of this many rows or more skip the exchange and go dense on every rank. Null: none agreed (no exchange "
+        "yet, or some rank has no timing) or every batch has some step FlashHead serves.",
     )
 
 

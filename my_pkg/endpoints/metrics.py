@@ -71,6 +71,10 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
     rows_draft = counter(
         "rows_draft", "Speculative-decoding draft rows served by the drafter's FlashHead head (not in path=flashhead)."
     )
+    exchanges = counter(
+        "stage1_exchanges",
+        "Tensor parallelism: decode steps on which this rank exchanged its best clusters with the other ranks.",
+    )
     available = gauge("available", "1 when the model has FlashHead assets and nothing rules FlashHead out.")
     enabled = gauge("enabled", "1 when FlashHead is enabled.")
     active = gauge("active", "1 when FlashHead is in use now.")
@@ -101,6 +105,7 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         rows_verify.add_metric(labels, counters.rows_flashhead_verify)
         rows_verify_pinned.add_metric(labels, counters.rows_flashhead_verify_pinned)
         rows_draft.add_metric(labels, counters.rows_flashhead_draft)
+        exchanges.add_metric(labels, counters.stage1_exchanges)
         available.add_metric(labels, state.available)
         enabled.add_metric(labels, state.enabled)
         active.add_metric(labels, state.active)
@@ -122,6 +127,7 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         rows_verify,
         rows_verify_pinned,
         rows_draft,
+        exchanges,
         available,
         enabled,
         active,

@@ -17,11 +17,16 @@ step's cost from the measured points:
 
 :meth:`StepCosts.plan` picks the cheapest of three ways to serve a step: every row as asked
 (``flashhead``), the sampled rows on the dense head and the greedy ones on FlashHead (``sampled_dense``),
-or every row on the dense head (``dense``).  FlashHead's part of a prediction counts 10 % more: a step
-within 10 % of a tie goes to the dense head, whose logits are exact, so that a prediction somewhat off
+or every row on the dense head (``dense``).  A way that uses FlashHead counts 10 % more: a step within
+10 % of a tie goes wholly to the dense head, whose logits are exact, so that a prediction somewhat off
 near the tie does not make the step slower than dense (the start-up times of one head varied by 10–20 %
-at some batches from one run to the next on a shared 2-core machine, docs/benchmarks.md); an exact tie
-goes to the way with more dense rows.
+at some batches from one run to the next on a shared 2-core machine, docs/benchmarks.md).  The margin
+covers the dense rows of a step split between the heads too: such a step adds two timings' errors, and
+puts its logits together from both heads' outputs, which no timing sees.  An exact tie goes to the way
+with more dense rows.
+
+Tensor-parallel ranks time their own parts and exchange their timings once (:func:`pack_costs`,
+:func:`unpack_costs`); :func:`slowest_costs` makes them one, from which every rank plans alike.
 Imports torch and numpy only.
 """
 
@@ -37,7 +42,18 @@ from typing import Literal
 import numpy as np
 import torch
 
-__all__ = ["MEASURED_BATCHES", "MEASURE_BUDGET_S", "StepCosts", "StepPlan", "measure_step_costs", "retime_greedy"]
+__all__ = [
+    "MEASURED_BATCHES",
+    "MEASURE_BUDGET_S",
+    "PACKED_COSTS",
+    "StepCosts",
+    "StepPlan",
+    "measure_step_costs",
+    "pack_costs",
+    "retime_greedy",
+    "slowest_costs",
+    "unpack_costs",
+]
 
 #: How a step's rows are served: as asked, its sampled rows dense, or every row dense.
 StepPlan = Literal["flashhead", "sampled_dense", "dense"]
@@ -47,6 +63,9 @@ MEASURED_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Seconds :func:`measure_step_costs`'s first pass may spend before it starts another batch (batch 1 is always
 #: timed); its second pass over the same batches takes about as long again.
 MEASURE_BUDGET_S = 4.0
+#: float64 values :func:`pack_costs` packs a timing into: the batches, then the dense, greedy, sampled and mixed times
+#: at each, each padded to ``len(MEASURED_BATCHES)`` with NaN.
+PACKED_COSTS = 5 * len(MEASURED_BATCHES)
 
 
 @dataclass(frozen=True)
@@ -129,13 +148,14 @@ class StepCosts:
             return "flashhead"
         check_s = self.dense_s_at(1) / check_every if check_every > 0 else 0.0
 
-        def flashhead(greedy: int, sampled: int) -> float:
-            return self.margin * (self.flashhead_s(greedy, sampled) + (greedy + sampled) * check_s)
+        def served(greedy: int, sampled: int, dense: int) -> float:
+            flashhead = self.flashhead_s(greedy, sampled) + (greedy + sampled) * check_s
+            return self.margin * (flashhead + self.dense_s_at(dense))
 
         costs: dict[StepPlan, float] = {
             "dense": self.dense_s_at(greedy + sampled + dense),
-            "sampled_dense": flashhead(greedy, 0) + self.dense_s_at(sampled + dense) if sampled else math.inf,
-            "flashhead": flashhead(greedy, sampled) + self.dense_s_at(dense),
+            "sampled_dense": served(greedy, 0, sampled + dense) if sampled else math.inf,
+            "flashhead": served(greedy, sampled, dense),
         }
         return min(costs, key=costs.__getitem__)  # the first of equal costs: more rows exact
 
@@ -147,6 +167,72 @@ class StepCosts:
             if self.plan(greedy_rows, sampled_rows, check_every=check_every) != "flashhead":
                 return rows
         return None
+
+    def dense_from_every_kind(self, *, check_every: int = 0) -> int | None:
+        """The smallest timed batch from which a step is served dense whatever its rows (greedy only, sampled only
+        or every other row sampled), at that batch and every larger timed one; None when FlashHead serves some
+        kind at the largest.  Tensor-parallel ranks serve every step from the largest of their values dense,
+        without their stage-1 exchange."""
+        found = None
+        for rows in reversed(self.batches):
+            kinds = [(rows, 0)]
+            if self.sampled_s is not None:  # sampled only, and mixed as the mixed steps were timed
+                kinds += [(0, rows), (rows - rows // 2, rows // 2)]
+            if any(self.plan(greedy, sampled, check_every=check_every) != "dense" for greedy, sampled in kinds):
+                return found
+            found = rows
+        return found
+
+
+def pack_costs(costs: StepCosts | None) -> torch.Tensor:
+    """``costs`` as ``PACKED_COSTS`` float64 values (all NaN for None, or for a timing at more batches than
+    ``MEASURED_BATCHES``), for :func:`unpack_costs` on another process."""
+    width = len(MEASURED_BATCHES)
+    table = torch.full((5, width), math.nan, dtype=torch.float64)
+    if costs is not None and len(costs.batches) <= width:
+        for side, times in enumerate((costs.batches, costs.dense_s, costs.greedy_s, costs.sampled_s, costs.mixed_s)):
+            if times is not None:
+                table[side, : len(times)] = torch.tensor(times, dtype=torch.float64)
+    return table.flatten()
+
+
+def unpack_costs(packed: torch.Tensor) -> StepCosts | None:
+    """The timing :func:`pack_costs` packed (None for none)."""
+    table = packed.detach().to(device="cpu", dtype=torch.float64).reshape(5, -1)
+    timed = int((~torch.isnan(table[0])).sum())
+    if timed == 0:
+        return None
+
+    def side(index: int) -> tuple[float, ...] | None:
+        times = tuple(float(t) for t in table[index, :timed])
+        return None if index >= 3 and all(math.isnan(t) for t in times) else times
+
+    return StepCosts(tuple(int(b) for b in table[0, :timed]), side(1), side(2), side(3), side(4))
+
+
+def slowest_costs(timings: Sequence[StepCosts | None]) -> StepCosts | None:
+    """One timing for tensor-parallel ranks that timed their own parts: each side's time at each batch is the slowest
+    rank's (a step lasts as long as its slowest rank: vLLM's logits gather waits for every rank), at the batches
+    every rank timed.  None when some rank has no timing, or no batch is common; a side some rank did not time
+    (sampled or mixed steps) is left out."""
+    if not timings or any(costs is None for costs in timings):
+        return None
+    batches = sorted(set.intersection(*(set(costs.batches) for costs in timings)))
+    if not batches:
+        return None
+
+    def side(name: str) -> tuple[float, ...] | None:
+        tables = [getattr(costs, name) for costs in timings]
+        if any(times is None for times in tables):
+            return None
+        at = [dict(zip(costs.batches, times, strict=True)) for costs, times in zip(timings, tables, strict=True)]
+        slowest = [[times[b] for times in at] for b in batches]
+        return tuple(math.nan if any(map(math.isnan, ts)) else max(ts) for ts in slowest)  # NaN: one row, no mix
+
+    sampled = side("sampled_s")
+    return StepCosts(
+        tuple(batches), side("dense_s"), side("greedy_s"), sampled, side("mixed_s") if sampled is not None else None
+    )
 
 
 def _fastest_s(runs: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float]) -> dict[str, float]:

@@ -153,6 +153,26 @@ def tp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
         yield server
 
 
+@pytest.fixture(scope="module")
+def tp2_measured_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
+    """Tensor parallel 2 with no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`: each rank times its own part when the
+    model loads, and the ranks agree through the stage-1 exchange on the batch they serve dense from."""
+    with _server(
+        flashhead_model,
+        logs_dir,
+        "tp2-measured",
+        {
+            "VLLM_PLUGINS": BOTH_HALVES,
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+            "MY_PKG_ADMIN_TOKEN": "tp2-token",
+            "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
+            "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD": None,
+        },
+        ["--tensor-parallel-size", "2"],
+    ) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def lora_adapter(base_model: Path, e2e_dir: Path) -> Path:
     return build_tiny_lora(e2e_dir / "tiny-lora", base_model)

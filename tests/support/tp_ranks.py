@@ -3,10 +3,14 @@
 Each rank builds vLLM's `ParallelLMHead` (loaded by its own weight loader) and our logits processor, then
 runs decode steps through vLLM's TP group: the stage-1 exchange and vLLM's gather are the real collectives.
 Rank 0 puts the gathered logits of each scenario on the queue.
+
+The last scenarios time each rank's head for real (no collective), then give the ranks different timings, so
+that the batch they agree to serve dense from, through the stage-1 exchange, is known.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import traceback
 from typing import Any
@@ -54,6 +58,7 @@ def _scenarios(rank: int, port: int) -> dict[str, Any]:
 
     # As vLLM's CPU worker sets it: the ranks' shared-memory communicator (the one serving uses) finds its peers.
     os.environ["VLLM_DIST_IDENT"] = f"my-pkg-tp-test-{port}"
+    os.environ["MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD"] = "never"  # no timing until the timed scenarios
     torch.set_num_threads(1)
     weight, assignments, centroids, hidden = problem()
     results: dict[str, Any] = {}
@@ -92,7 +97,44 @@ def _scenarios(rank: int, port: int) -> dict[str, Any]:
                 del controller.stage1.keys
                 controller.head.step_logits = _broken  # this rank fails in stage 2
             step("stage2_fails_on_rank_1")
+            results.update(_timed_scenarios(rank, lm_head, processor, hidden, centroids, assignments))
         finally:
             destroy_model_parallel()
             destroy_distributed_environment()
+    return results
+
+
+def _rank_costs(rank: int) -> Any:
+    """Rank 0's FlashHead pays at one row only, rank 1's at one and two (0.5 s where it pays, 2 s where not; the
+    dense head 1 s at every batch): the slowest of them pays at one row only."""
+    from my_pkg.flashhead.step_costs import StepCosts
+
+    flash = (0.5, 2.0, 2.0) if rank == 0 else (0.5, 0.5, 2.0)
+    return StepCosts((1, 2, 3), (1.0, 1.0, 1.0), flash, flash, (math.nan, *flash[1:]))
+
+
+def _timed_scenarios(rank: int, lm_head: Any, processor: Any, hidden: Any, centroids: Any, assignments: Any) -> dict:
+    from my_pkg.engine.flashhead import FlashHeadController, StepRows
+    from my_pkg.engine.patches import logits_processor
+
+    del os.environ["MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD"]
+    timed = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB)
+    processor._my_pkg_flashhead = timed
+    logits_processor.build_head(timed, lm_head)  # as after the weights load: built, warmed up, timed alone
+    results: dict[str, Any] = {f"timed_batches_{rank}": timed.step_costs.batches}
+    timed.step_costs = _rank_costs(rank)
+    results[f"dense_from_{rank}"] = timed.dense_from()
+    for name, rows in (("three_rows", 3), ("two_rows", 2), ("one_row", 1)):
+        step_rows = StepRows(np.zeros(rows, np.uint8), np.arange(rows) % 2 == 1)
+        timed.arm(lambda step_rows=step_rows: step_rows)
+        logits = processor(lm_head, hidden[:rows])
+        if rank == 0:
+            results[name] = logits.numpy().copy()
+        results[f"{name}_{rank}"] = {
+            "agreed": timed.dense_from_agreed,
+            "exchanges": timed.counters.stage1_exchanges,
+            "slower": timed.counters.rows_dense["slower_than_dense"],
+            "flashhead": timed.counters.rows_flashhead,
+            "fallbacks": timed.counters.fallbacks,
+        }
     return results

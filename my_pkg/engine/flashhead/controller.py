@@ -19,7 +19,8 @@ or a worker). Its life, in order:
    exact logits for the pinned ids) and the other rows with vLLM's dense logits; where the timing
    predicts the dense head faster, the step's sampled rows or all its rows go dense. Under tensor
    parallelism the logits processor first exchanges each rank's best clusters (`exchange_width`,
-   `stage1_keys`) and `compute_logits` probes the clusters chosen from all of them.
+   `stage1_payload`; the first exchange also the ranks' timings, from which every rank then plans
+   alike: `agreed_costs`) and `compute_logits` probes the clusters chosen from all of them.
 4. The admin API: `status()` (a `FlashHeadState`), `validate(update)` and `apply(update)` (a
    `FlashHeadUpdate`; the contract already checked its types, this checks what the model decides).
 
@@ -58,7 +59,16 @@ from my_pkg.flashhead.layout import hidden_major
 from my_pkg.flashhead.probes import NO_KEY, ShardStage1, merge_probes
 from my_pkg.flashhead.settings import default_settings
 from my_pkg.flashhead.staging import index_tensor
-from my_pkg.flashhead.step_costs import StepCosts, StepPlan, measure_step_costs, retime_greedy
+from my_pkg.flashhead.step_costs import (
+    PACKED_COSTS,
+    StepCosts,
+    StepPlan,
+    measure_step_costs,
+    pack_costs,
+    retime_greedy,
+    slowest_costs,
+    unpack_costs,
+)
 from my_pkg.flashhead.tail_estimate import TailFactors
 
 __all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller"]
@@ -105,9 +115,17 @@ class FlashHeadController:
         self.head: Any = None
         self.vocab_range: tuple[int, int] | None = None  # this rank's vocabulary shard under tensor parallelism
         self.stage1: ShardStage1 | None = None  # this rank's share of the centroids under tensor parallelism
-        #: Where the dense head is faster on this machine, measured at `prepare` (a CPU head, one rank; its
-        #: greedy rows timed again when `n_probes` changes).
+        #: Where the dense head is faster on this machine, measured at `prepare` (a CPU head; under tensor
+        #: parallelism this rank's own part; its greedy rows timed again when `n_probes` changes).
         self.step_costs: StepCosts | None = None
+        #: Under tensor parallelism: the ranks' timings as one (`slowest_costs`), from which every rank plans its
+        #: steps, read from the first stage-1 exchange after start-up or an update (the same on every rank; None
+        #: until then, or when some rank has no timing), and the batch from which it serves every step dense:
+        #: such steps skip the exchange.
+        self.agreed_costs: StepCosts | None = None
+        self.dense_from_agreed: int | None = None
+        self._timings_exchanged = False  # whether an exchange since start-up or the last update carried timings
+        self._carrying_timing = False  # whether this step's payload carries this rank's timing (`stage1_payload`)
         self.spec: SpecState | None = None  # speculative decoding's parts (`flashhead/spec.py`), set by its maker
         #: Under speculative decoding, the drafter's own controller when FlashHead serves its head (`draft.py`).
         self.draft: FlashHeadController | None = None
@@ -268,10 +286,13 @@ class FlashHeadController:
         rows (`my_pkg.flashhead.step_costs`): from then on a step that the measurement predicts the dense
         head serves at least as fast is served dense (`slower_than_dense`). Only when the environment
         sets no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`, on a CPU head (the host clock times a CPU step,
-        not an accelerator's) without tensor parallelism (a rank alone cannot time the stage-1
-        exchange). Never raises: a failed measurement leaves FlashHead on every step, logged."""
+        not an accelerator's). Under tensor parallelism each rank times its own part alone, with no
+        collective (its share of stage 1, its candidates, beside its shard of the dense product; the
+        exchange's latency is left out), and the first stage-1 exchange gives every rank all the
+        timings (`stage1_payload`, `agreed_costs`). Never raises: a failed measurement leaves FlashHead
+        on every step, logged."""
         head = self.head
-        if not self.settings.measure_step_costs or head is None or self.vocab_range is not None:
+        if not self.settings.measure_step_costs or head is None:
             return
         if head.weight.device.type != "cpu":
             return
@@ -310,8 +331,8 @@ class FlashHeadController:
         logger.info(
             "my_pkg: FlashHead timed beside the dense head at %s rows: dense %s ms, greedy %s ms, sampled %s ms, "
             "mixed %s ms; "
-            "steps the dense head serves faster go dense (greedy from %s rows, sampled from %s rows; "
-            "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD=never: FlashHead at every batch)",
+            "steps the dense head serves faster go dense (greedy from %s rows, sampled from %s rows, every step "
+            "from %s rows; MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD=never: FlashHead at every batch)",
             report.batches,
             report.dense_ms,
             report.greedy_ms,
@@ -319,17 +340,24 @@ class FlashHeadController:
             report.mixed_ms,
             report.dense_from_greedy or "none",
             report.dense_from_sampled or "none",
+            report.dense_from or "none",
         )
 
     def _head_step(self) -> Callable[[torch.Tensor, np.ndarray], torch.Tensor]:
         """This head's decode step on `(hidden, sampled)` as `compute_logits` runs it, pinned ids included (the
-        step's stop ids and the model's logit scale aside): what the warm-up runs and the timing times."""
-        head, pins = self.head, self._pins
+        step's stop ids and the model's logit scale aside): what the warm-up runs and the timing times. Under
+        tensor parallelism stage 1 is this rank's share: its best clusters merged as the exchanged ones are
+        (without the other ranks' keys, and without the exchange)."""
+        head, pins, stage1, width = self.head, self._pins, self.stage1, self._keys_width()
         assert head is not None
         pinned = pins.get((), head.weight) if pins is not None else None
 
         def step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
-            logits = head.step_logits(hidden, sampled=sampled if self.settings.probe_sampling else None)
+            probes = None
+            if stage1 is not None and width is not None:
+                probes = merge_probes(stage1.keys(hidden, width), width, head.num_clusters)
+            sampled_rows = sampled if self.settings.probe_sampling else None
+            logits = head.step_logits(hidden, sampled=sampled_rows, probes=probes)
             if pins is not None:
                 pins.score(logits, hidden, pinned, lambda x: x)
             return logits
@@ -401,14 +429,28 @@ class FlashHeadController:
 
     # ---- tensor parallelism: stage 1 split over the ranks -----------------------------------
 
-    def exchange_width(self) -> int | None:
-        """Keys each rank sends per row in an armed step's stage-1 exchange, or None when this model's
-        steps exchange nothing (FlashHead disabled, or off on every rank for a reason of the
-        configuration). Read from the settings and the assets only, which every rank holds alike (the
-        admin API updates all ranks between steps), never from this rank's head or the step's rows:
-        every rank of a step gets the same answer, so all of them or none reach the collective, with
-        the same shape. The width covers both kinds of rows: greedy rows probe `n_probes`, sampled
-        rows `sampled_n_probes`."""
+    def exchange_width(self, num_rows: int) -> int | None:
+        """Keys each rank sends per row in the stage-1 exchange of an armed step of `num_rows` rows, or None
+        when the step exchanges nothing: FlashHead disabled or off on every rank for a reason of the
+        configuration, a step above `dense_batch_threshold`, or one of `dense_from_agreed` rows or more
+        (served dense on every rank). Read from the settings, the assets, the step's size and the agreed
+        timing only, which every rank holds alike (the admin API updates all ranks between steps; every rank
+        reads the agreed timing from the same exchanged tensor), never from this rank's head or the step's
+        rows: every rank of a step gets the same answer, so all of them or none reach the collective, with
+        the same shape (`stage1_payload`)."""
+        width = self._keys_width()
+        if width is None:
+            return None
+        threshold = self.settings.dense_batch_threshold
+        if threshold is not None and num_rows > threshold:
+            return None
+        if self.dense_from_agreed is not None and num_rows >= self.dense_from_agreed:
+            return None
+        return width
+
+    def _keys_width(self) -> int | None:
+        """Keys per row of the stage-1 exchange (None: this model exchanges nothing, `exchange_width`). The width
+        covers both kinds of rows: greedy rows probe `n_probes`, sampled rows `sampled_n_probes`."""
         if not self.settings.enabled or self.num_clusters is None:
             return None
         if not self.available and self.unavailable_code not in _RANK_LOCAL_CODES:
@@ -436,6 +478,63 @@ class FlashHeadController:
         except Exception:  # noqa: BLE001
             pass
         return torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), False
+
+    def stage1_payload(
+        self, hidden: torch.Tensor, width: int, rows: StepRows | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        """`([rows, width (+ PACKED_COSTS)] int64, scored)`: what this rank sends in the stage-1 exchange: its
+        `stage1_keys` and, on the first exchange since start-up or an update of a CPU head that times itself,
+        its timing (`pack_costs`, the float64 bits; none where the timing failed), so that every rank then plans
+        from all of them. Whether the timing travels is alike on every rank, so the shapes match. When the
+        agreed timing serves the whole step dense on every rank (`rows`, alike on every rank), the keys are not
+        scored: no rank probes anything this step. Never raises where `stage1_keys` does not."""
+        num_rows = int(hidden.shape[0])
+        if self._dense_on_every_rank(rows):
+            keys, scored = torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), True
+        else:
+            keys, scored = self.stage1_keys(hidden, width)
+        self._carrying_timing = (
+            self.settings.measure_step_costs and not self._timings_exchanged and hidden.device.type == "cpu"
+        )
+        if not self._carrying_timing:
+            return keys, scored
+        self._timings_exchanged = True  # decided before the collective, as on every rank, whatever it gives
+        timing = pack_costs(self.step_costs).view(torch.int64).to(keys.device)
+        return torch.cat([keys, timing.expand(num_rows, -1)], dim=1), scored
+
+    def stage1_received(self, gathered: torch.Tensor, width: int) -> torch.Tensor:
+        """Every rank's keys `[rows, tp * width]` from the gathered payloads (`stage1_payload`); where they carry the
+        ranks' timings, every rank reads the same ones and agrees on them (`agreed_costs`, `dense_from_agreed`)."""
+        num_rows = int(gathered.shape[0])
+        payloads = gathered.view(num_rows, -1, width + (PACKED_COSTS if self._carrying_timing else 0))
+        if self._carrying_timing:
+            timings = [unpack_costs(timing.contiguous().view(torch.float64)) for timing in payloads[0, :, width:]]
+            agreed = slowest_costs(timings)
+            self.agreed_costs = agreed
+            every = self._checked_every()
+            self.dense_from_agreed = agreed.dense_from_every_kind(check_every=every) if agreed is not None else None
+        self.counters.stage1_exchanges += 1
+        return payloads[..., :width].reshape(num_rows, -1)
+
+    def _dense_on_every_rank(self, rows: StepRows | None) -> bool:
+        """Whether every rank serves the step of `rows` wholly dense for a reason alike on every rank: each of its
+        rows needs the dense head, or the agreed timing plans it dense. False whenever unsure (never raises)."""
+        try:
+            if rows is None:
+                return False
+            if rows.all_dense is not None or bool(np.all(rows.dense_codes)):
+                return True
+            if self.agreed_costs is None or not self.settings.enabled:
+                return False
+            return self._plan(rows, self.agreed_costs) == "dense"
+        except Exception:  # noqa: BLE001 - then the keys are scored, as on any step
+            return False
+
+    def dense_from(self) -> int | None:
+        """The smallest timed batch from which this rank's own timing serves every step dense whatever its rows
+        (`StepCosts.dense_from_every_kind`); None when not timed or FlashHead serves some step of every size."""
+        costs = self.step_costs
+        return costs.dense_from_every_kind(check_every=self._checked_every()) if costs is not None else None
 
     def compute_logits(
         self,
@@ -465,10 +564,13 @@ class FlashHeadController:
         threshold = self.settings.dense_batch_threshold
         if threshold is not None and num_rows > threshold:
             return self._all_dense(hidden, dense, "batch_threshold")
+        if self.stage1 is not None and exchanged is None:  # no exchange: `dense_from_agreed` rows or more
+            return self._all_dense(hidden, dense, "slower_than_dense")
         dense_rows = np.flatnonzero(rows.dense_codes)
-        if self.step_costs is not None:
+        costs = self.agreed_costs if self.stage1 is not None else self.step_costs
+        if costs is not None:
             flash_sampled = self._flash_sampled(rows)
-            plan = self._plan(rows, int(dense_rows.size), int(np.count_nonzero(flash_sampled)))
+            plan = self._plan(rows, costs)
             if plan == "dense":
                 return self._all_dense(hidden, dense, "slower_than_dense")
             if plan == "sampled_dense":
@@ -493,7 +595,7 @@ class FlashHeadController:
         probes = None
         if exchanged is not None:
             keys = exchanged if flash_index is None else exchanged.index_select(0, flash_index)
-            width = self.exchange_width()
+            width = self._keys_width()
             if width is None:
                 raise RuntimeError("keys were exchanged on a step without a stage-1 exchange")
             probes = merge_probes(keys, width, self.head.num_clusters)
@@ -527,12 +629,17 @@ class FlashHeadController:
             return np.zeros(rows.num_rows, dtype=bool)
         return (rows.dense_codes == 0) & rows.sampled
 
-    def _plan(self, rows: StepRows, num_dense: int, sampled: int) -> StepPlan:
-        """How the measured costs serve this step fastest (host numbers only)."""
-        assert self.step_costs is not None
-        return self.step_costs.plan(
-            rows.num_rows - num_dense - sampled, sampled, num_dense, check_every=self.settings.fidelity_every
-        )
+    def _plan(self, rows: StepRows, costs: StepCosts) -> StepPlan:
+        """How `costs` serve this step fastest (host numbers only): this rank's own timing, or under tensor
+        parallelism the ranks' agreed one."""
+        num_dense = int(np.count_nonzero(rows.dense_codes))
+        sampled = int(np.count_nonzero(self._flash_sampled(rows)))
+        return costs.plan(rows.num_rows - num_dense - sampled, sampled, num_dense, check_every=self._checked_every())
+
+    def _checked_every(self) -> int:
+        """One FlashHead row in this many also gets the dense head's logits (the live fidelity check, off under
+        tensor parallelism: a shard's best token says nothing of the row's); 0: none."""
+        return self.settings.fidelity_every if self.vocab_range is None else 0
 
     def _score_drafts(
         self,
@@ -634,7 +741,7 @@ class FlashHeadController:
         )
 
     def _step_costs_report(self) -> StepCostsReport | None:
-        costs, every = self.step_costs, self.settings.fidelity_every
+        costs, every = self.step_costs, self._checked_every()
         if costs is None:
             return None
         return StepCostsReport(
@@ -649,6 +756,8 @@ class FlashHeadController:
             dense_from_sampled=costs.dense_from(sampled=True, check_every=every)
             if costs.sampled_s is not None
             else None,
+            dense_from=self.dense_from(),
+            dense_from_agreed=self.dense_from_agreed,
         )
 
     def _spec_with_draft(self) -> SpecState | None:
@@ -696,6 +805,9 @@ class FlashHeadController:
         rank = self._status_sampled_rank() or 0
         return resolve_sampled_n_probes(self.settings.sampled_n_probes, self.settings.n_probes, self.num_clusters, rank)
 
+    def _forget_agreement(self) -> None:
+        self.agreed_costs, self.dense_from_agreed, self._timings_exchanged = None, None, False
+
     def validate(self, update: FlashHeadUpdate) -> list[str]:
         """What the served model refuses in `update` (the contract has checked its fields and types):
         FlashHead must be available, `n_probes` at most the number of clusters, and `draft_n_probes` needs
@@ -720,11 +832,14 @@ class FlashHeadController:
         update = _as_update(update)
         for name in update.model_fields_set - {"draft_n_probes"}:
             setattr(self.settings, name, getattr(update, name))
+        # Every rank applies an update between the same two steps: the next exchange agrees again (new timings).
+        self._forget_agreement()
         if update.n_probes is not None and self.head is not None:
             self.head.n_probes = update.n_probes
             self._time_again()
         draft = self.draft
         if draft is not None:  # the drafter's head: its own probe count, the target's switch and threshold
+            draft._forget_agreement()
             for name in ("enabled", "dense_batch_threshold"):
                 if name in update.model_fields_set:
                     setattr(draft.settings, name, getattr(update, name))

@@ -32,6 +32,7 @@ class Counters:
     fidelity_agreed: int = 0
     rows_flashhead_verify: int = 0  # of rows_flashhead: speculative decoding's verify rows
     rows_flashhead_verify_pinned: int = 0  # of those: sampled rows whose draft token was scored exactly
+    stage1_exchanges: int = 0  # under tensor parallelism: armed steps whose best clusters this rank exchanged
 
     def snapshot(self, draft: Counters | None = None) -> FlashHeadCounters:
         """The contract's counters; `draft`: the drafter's FlashHead head's own counters under speculative
@@ -46,6 +47,7 @@ class Counters:
             fidelity_agreed=self.fidelity_agreed,
             rows_flashhead_verify=self.rows_flashhead_verify,
             rows_flashhead_verify_pinned=self.rows_flashhead_verify_pinned,
+            stage1_exchanges=self.stage1_exchanges,
             rows_flashhead_draft=draft.rows_flashhead if draft is not None else 0,
             rows_dense_draft=sum(draft.rows_dense.values()) if draft is not None else 0,
         )

@@ -19,10 +19,10 @@ Under tensor parallelism each rank's head covers its vocabulary shard and its
 share of the centroids (`_sharded_step`). Stage 1 is split: each rank scores its
 `C / tp` centroids and keeps its best `K` clusters as keys (score, then cluster
 id: `my_pkg.flashhead.probes`), one all-gather over the TP group exchanges them
-(`[B, tp * K]` int64), and every rank takes the best `P` of the same gathered
-keys: the probes the full stage 1 would choose, the same on every rank. Each rank
-then scores the candidates in its vocabulary shard, and vLLM's own gather joins
-the shards.
+(`[B, tp * K]` int64; the first one also carries each rank's timing), and every
+rank takes the best `P` of the same gathered keys: the probes the full stage 1
+would choose, the same on every rank. Each rank then scores the candidates in its
+vocabulary shard, and vLLM's own gather joins the shards.
 
 Both collectives are reached exactly once per armed step on every rank, failures
 included, because whether and with which shape a rank reaches them never depends
@@ -32,8 +32,14 @@ on anything that can differ between ranks:
   rank's shard dense), as vLLM's own forward does.
 - The stage-1 exchange happens on a step iff it is an armed decode step (the
   model runner arms every rank for the same scheduler output) and
-  `FlashHeadController.exchange_width()` is not None: settings and assets,
-  alike on every rank. Its shape is `[B, width]`: the step's rows and that width.
+  `FlashHeadController.exchange_width(B)` is not None: settings, assets, the
+  step's size and the batch the ranks agreed to serve dense from, alike on every
+  rank. Its shape is `[B, width]`, plus the timing's packed columns on the first
+  exchange since start-up or an update (alike on every rank): every rank then
+  reads the same timings and plans every step from the same agreed one, so a
+  step it plans dense is dense on every rank; from the batch at which that
+  timing serves every step dense, steps skip the exchange on every rank, and a
+  step planned dense below it exchanges keys that were not scored.
   It comes before anything that can fail on one rank only: reading the step's
   rows, building the head, the stage-1 scores and the step's dense reasons are
   all decided around it, never whether it happens. A rank that cannot score its
@@ -382,7 +388,7 @@ def subclass() -> type:
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
                 rows = None
             if sharded:
-                width = controller.exchange_width() if armed else None
+                width = controller.exchange_width(int(hidden_states.shape[0])) if armed else None
                 if width is not None or rows is not None:
                     return self._sharded_step(controller, lm_head, hidden_states, rows, width)
             if rows is None:  # warm-up, prompt logprobs, drafter: vLLM's own head
@@ -414,7 +420,7 @@ def subclass() -> type:
 
             exchanged, scored = None, True
             if width is not None:
-                exchanged, scored = self._exchange_stage1(controller, hidden_states, width)
+                exchanged, scored = self._exchange_stage1(controller, hidden_states, width, rows)
             try:
                 if rows is None or not scored:
                     local = dense_local(hidden_states)
@@ -432,19 +438,20 @@ def subclass() -> type:
             return logits[..., : self.org_vocab_size] if logits is not None else None
 
         @staticmethod
-        def _exchange_stage1(controller, hidden_states, width):
+        def _exchange_stage1(controller, hidden_states, width, rows):
             """`(gathered keys [B, tp * width] or None, scored)`: the stage-1 exchange, one all-gather over the TP
-            group, reached once by every rank of an armed step. `scored` is False when this rank could not
-            score its share, or the exchange failed (counted): its shard is then served dense."""
+            group, reached once by every rank of an armed step (each rank's keys and, on the first exchange, its
+            timing: `FlashHeadController.stage1_payload`). `scored` is False when this rank could not score its
+            share, or the exchange failed (counted): its shard is then served dense."""
             import torch
             from vllm.distributed import tensor_model_parallel_all_gather
 
-            keys, scored = controller.stage1_keys(hidden_states, width)
+            payload, scored = controller.stage1_payload(hidden_states, width, rows)
             try:
-                # The keys' bytes travel as float32 pairs (vLLM's CPU shared-memory all-gather has no int64
+                # The int64 payload's bytes travel as float32 pairs (vLLM's CPU shared-memory all-gather has no int64
                 # kernel); an all-gather only copies them, and each rank's pairs stay whole along the last dim.
-                gathered = tensor_model_parallel_all_gather(keys.contiguous().view(torch.float32), dim=-1)
-                return gathered.contiguous().view(torch.int64), scored
+                gathered = tensor_model_parallel_all_gather(payload.contiguous().view(torch.float32), dim=-1)
+                return controller.stage1_received(gathered.contiguous().view(torch.int64), width), scored
             except Exception as exc:  # noqa: BLE001 - a communicator that refuses the exchange
                 controller.record_fallback(exc, int(hidden_states.shape[0]))
                 return None, False

@@ -115,6 +115,7 @@ class FakeEngineClient:
                     rows_dense={"logprobs": 3, "batch_threshold": 7 + rank},
                     fallbacks=rank,
                     head_seconds=0.5 + rank,
+                    stage1_exchanges=40,
                 ),
             }
             for rank in range(world_size)

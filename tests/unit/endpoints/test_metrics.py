@@ -62,6 +62,7 @@ async def test_metrics_route(app, client_for):
                 "rows_verify",
                 "rows_verify_pinned",
                 "rows_draft",
+                "stage1_exchanges",
             )
         },
         **{
@@ -79,6 +80,7 @@ async def test_metrics_route(app, client_for):
         assert found[("my_pkg_flashhead_rows_total", L(rank=r_, path="dense", reason="batch_threshold"))] == 7 + rank
         assert found[("my_pkg_flashhead_fallbacks_total", L(rank=r_))] == rank
         assert found[("my_pkg_flashhead_head_seconds_total", L(rank=r_))] == 0.5 + rank
+        assert found[("my_pkg_flashhead_stage1_exchanges_total", L(rank=r_))] == 40
         assert found[("my_pkg_flashhead_active", L(rank=r_))] == 1
         assert found[("my_pkg_flashhead_n_probes", L(rank=r_))] == 4
         assert found[("my_pkg_flashhead_dense_batch_threshold", L(rank=r_))] == 32

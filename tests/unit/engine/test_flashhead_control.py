@@ -586,11 +586,35 @@ def test_an_operator_threshold_skips_the_timing(weight, monkeypatch, env_value):
     assert ctl.status().dense_batch_threshold == (None if env_value == "never" else 9)
 
 
-def test_a_vocabulary_shard_and_a_failing_dense_product_are_not_timed(weight, monkeypatch, caplog):
+def test_a_vocabulary_shard_is_timed_alone_with_its_share_of_stage_1(weight, monkeypatch):
+    """A tensor-parallel rank times its own part with no collective: its share of the centroids, its best
+    clusters as probes and its candidates, beside its shard of the dense product."""
     monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
     shard = _unbuilt_controller(weight)
-    shard.prepare(weight[: VOCAB // 2], vocab_range=(0, VOCAB // 2), shard=(0, 2), dense=_dense(weight))
-    assert shard.head is not None and shard.step_costs is None
+    dense_rows = []
+
+    def dense_shard(hidden):
+        dense_rows.append(hidden.shape[0])
+        return hidden @ weight[: VOCAB // 2].T
+
+    from my_pkg.flashhead.probes import ShardStage1
+
+    shard_keys, real_keys = [], ShardStage1.keys
+
+    def keys(self, hidden, width):
+        shard_keys.append(hidden.shape[0])
+        return real_keys(self, hidden, width)
+
+    monkeypatch.setattr(ShardStage1, "keys", keys)
+    shard.prepare(weight[: VOCAB // 2], vocab_range=(0, VOCAB // 2), shard=(0, 2), dense=dense_shard)
+    costs = shard.status().step_costs
+    assert shard.head is not None and costs is not None
+    assert set(dense_rows) == set(costs.batches) and set(costs.batches) <= set(shard_keys)
+    assert shard.dense_from_agreed is None and costs.dense_from_agreed is None  # agreed only at an exchange
+
+
+def test_a_failing_dense_product_is_not_timed(weight, monkeypatch, caplog):
+    monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
 
     def broken(hidden):
         raise RuntimeError("no product")

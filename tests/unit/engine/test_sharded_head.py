@@ -19,8 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from my_pkg.contract import FlashHeadUpdate
 from my_pkg.engine.flashhead import FlashHeadController, StepRows
 from my_pkg.engine.patches import logits_processor
+from my_pkg.flashhead.step_costs import PACKED_COSTS, StepCosts
 
 VOCAB, HIDDEN, CAP = 200, 16, 8
 CLUSTERS = VOCAB // CAP
@@ -268,6 +270,101 @@ def test_no_exchange_when_flashhead_is_disabled(group, weight):
     assert group.calls == {}
 
 
+def test_steps_above_the_threshold_exchange_nothing_and_go_dense_on_both_ranks(group, weight):
+    hidden = torch.randn(3, HIDDEN)
+    ranks = _ranks(weight, n_probes=1)
+    for processor, _, _ in ranks:
+        processor._my_pkg_flashhead.settings.dense_batch_threshold = 2
+    torch.testing.assert_close(_step(group, ranks, hidden), hidden @ weight.T)
+    assert group.calls == {}
+    _step(group, ranks, hidden[:2])
+    assert group.calls == {0: 1, 1: 1}
+    for processor, _, _ in ranks:
+        counters = processor._my_pkg_flashhead.counters
+        assert counters.rows_dense == {"batch_threshold": 3} and counters.rows_flashhead == 2
+        assert counters.stage1_exchanges == 1
+
+
+def _costs_dense_from(rows: int) -> StepCosts:
+    """FlashHead at 0.5 s below `rows` rows, 2 s from it; the dense head 1 s at every batch."""
+    return StepCosts((1, 2, 3), (1.0, 1.0, 1.0), tuple(0.5 if b < rows else 2.0 for b in (1, 2, 3)), None)
+
+
+def test_without_every_rank_s_timing_nothing_is_agreed_and_flashhead_serves_every_step(group, weight):
+    """Rank 0's timing serves every step dense, rank 1 has none (not timed, or its timing failed): the ranks plan
+    from no timing, as before they were timed: FlashHead on both, every step exchanging."""
+    hidden = torch.randn(2, HIDDEN)
+    ranks = _ranks(weight, n_probes=1)
+    _build(group, ranks, hidden)
+    for processor, _, _ in ranks:
+        processor._my_pkg_flashhead.settings.measure_step_costs = True
+    ranks[0][0]._my_pkg_flashhead.step_costs = _costs_dense_from(1)
+    for _ in range(2):
+        logits = _step(group, ranks, hidden)
+    assert group.calls == {0: 2, 1: 2}
+    assert not torch.isfinite(logits[:, :SHARD]).all() and not torch.isfinite(logits[:, SHARD:]).all()
+    controllers = [processor._my_pkg_flashhead for processor, _, _ in ranks]
+    assert [c.dense_from() for c in controllers] == [1, None]
+    assert [(c.agreed_costs, c.dense_from_agreed) for c in controllers] == [(None, None), (None, None)]
+    assert [c.counters.rows_flashhead for c in controllers] == [4, 4]
+
+
+def test_the_ranks_plan_from_their_slowest_times_and_skip_the_exchange_where_all_is_dense(group, weight):
+    """Rank 0's FlashHead pays at one row only, rank 1's at one and two: the agreed timing takes each side's
+    slowest rank, which pays at one row only, so from two rows every step goes dense on both ranks without an
+    exchange; an update forgets the agreement on every rank until the next exchange."""
+    hidden = torch.randn(2, HIDDEN)
+    ranks = _ranks(weight, n_probes=1)
+    _build(group, ranks, hidden)
+    controllers = [processor._my_pkg_flashhead for processor, _, _ in ranks]
+    for controller, rows in zip(controllers, (2, 3), strict=True):
+        controller.step_costs, controller.settings.measure_step_costs = _costs_dense_from(rows), True
+        # No live fidelity check runs under TP, so the plans count none (a dense row per FlashHead row here).
+        controller.settings.fidelity_every = 1
+    torch.testing.assert_close(_step(group, ranks, hidden), hidden @ weight.T)  # agreed at this exchange: dense
+    assert [c.dense_from_agreed for c in controllers] == [2, 2]
+    assert [c.agreed_costs.greedy_s for c in controllers] == [(0.5, 2.0, 2.0)] * 2
+    _step(group, ranks, hidden)
+    assert group.calls == {0: 1, 1: 1}  # agreed: no exchange
+    one_row = _step(group, ranks, hidden[:1])  # below the agreed batch: exchanged, FlashHead on both ranks
+    assert group.calls == {0: 2, 1: 2} and not torch.isfinite(one_row).all()
+    for controller in controllers:  # the admin API applies an update on every rank between two steps
+        controller.apply(FlashHeadUpdate(enabled=True))
+        assert controller.agreed_costs is None and controller.status().step_costs.dense_from_agreed is None
+    _step(group, ranks, hidden)
+    assert group.calls == {0: 3, 1: 3} and [c.dense_from_agreed for c in controllers] == [2, 2]
+    assert [c.counters.stage1_exchanges for c in controllers] == [3, 3]
+    for controller in controllers:
+        assert controller.counters.rows_dense == {"slower_than_dense": 6} and controller.counters.rows_flashhead == 1
+
+
+def test_a_step_planned_dense_below_the_agreed_batch_exchanges_keys_it_did_not_score(group, weight, monkeypatch):
+    """One sampled row is planned dense where one greedy row is not, so steps of one row still exchange; the
+    sampled one sends keys no rank scored (stage 1 skipped on both ranks) and is dense on both."""
+    hidden = torch.randn(1, HIDDEN)
+    ranks = _ranks(weight, n_probes=1)
+    _build(group, ranks, hidden)
+    nan = float("nan")
+    scored = Counter()
+    for rank, (processor, _, _) in enumerate(ranks):
+        controller = processor._my_pkg_flashhead
+        controller.step_costs = StepCosts((1, 2), (1.0, 1.0), (0.5, 2.0), (2.0, 2.0), (nan, 2.0))
+        controller.settings.measure_step_costs = True  # as with no MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD
+        real = controller.stage1.keys
+        monkeypatch.setattr(
+            controller.stage1, "keys", lambda h, w, rank=rank, real=real: scored.update([rank]) or real(h, w)
+        )
+    _step(group, ranks, hidden)  # greedy: agreed here, FlashHead on both ranks
+    assert scored == {0: 1, 1: 1}
+    sampled = _step(group, ranks, hidden, sampled=[True])
+    torch.testing.assert_close(sampled, hidden @ weight.T)
+    assert scored == {0: 1, 1: 1} and group.calls == {0: 2, 1: 2}
+    for processor, _, _ in ranks:
+        counters = processor._my_pkg_flashhead.counters
+        assert counters.rows_flashhead == 1 and counters.rows_dense == {"slower_than_dense": 1}
+        assert counters.fallbacks == 0 and processor._my_pkg_flashhead.dense_from_agreed == 2
+
+
 def test_mixed_steps_probe_each_kind_of_row_from_one_exchange(group, weight):
     """Greedy rows probe `n_probes`, sampled rows `sampled_n_probes`, from one exchange of the larger."""
     hidden = torch.randn(4, HIDDEN)
@@ -289,3 +386,28 @@ def test_sampled_rows_get_estimates_on_every_shard(group, weight):
     logits = _step(group, _ranks(weight, n_probes=1), hidden, sampled=[True, False])
     assert torch.isfinite(logits[0]).all()
     assert not torch.isfinite(logits[1]).all()
+
+
+def test_the_first_exchange_carries_the_timings_and_only_where_ranks_time_themselves(group, weight, monkeypatch):
+    """With no threshold the first exchange carries each rank's timing (`PACKED_COSTS` more int64 per row), the
+    next ones keys only; with `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set no rank timed itself: keys only."""
+    import vllm.distributed
+
+    hidden = torch.randn(2, HIDDEN)
+    sizes = []
+    monkeypatch.setattr(
+        vllm.distributed,
+        "tensor_model_parallel_all_gather",
+        lambda tensor, dim=-1: sizes.append(tensor.shape[1] // 2) or group.all_gather(tensor, dim),
+    )
+    for timed in (True, False):
+        ranks = _ranks(weight, n_probes=1)
+        _build(group, ranks, hidden)
+        for processor, _, _ in ranks:
+            processor._my_pkg_flashhead.settings.measure_step_costs = timed
+        width = ranks[0][0]._my_pkg_flashhead.exchange_width(2)
+        sizes.clear()
+        _step(group, ranks, hidden)
+        _step(group, ranks, hidden)
+        first = width + (PACKED_COSTS if timed else 0)
+        assert sizes == [first, first, width, width]  # each rank's int64 columns per row, step by step

@@ -92,3 +92,29 @@ def test_a_rank_raising_in_stage_2_finishes_the_step_on_both_ranks(results):
     shard = results[1]["vocab_range"][0]
     torch.testing.assert_close(logits[:, shard:VOCAB], _dense()[:, shard:])
     assert results[1]["fallbacks_stage2_fails_on_rank_1_1"] == 2
+
+
+def test_each_rank_times_its_own_part_without_a_collective(results):
+    for rank in (0, 1):
+        assert results[rank][f"timed_batches_{rank}"][0] == 1
+
+
+def test_the_ranks_plan_from_their_slowest_times_and_skip_the_exchange_together(results):
+    """Rank 0's timing pays at one row only, rank 1's at one and two: the first exchange gives both ranks the
+    slowest of the two, which serves every step dense from 2 rows; a step of 2 rows then goes dense on both ranks
+    without an exchange, and one of 1 row exchanges and is served by FlashHead on both."""
+    assert (results[0]["dense_from_0"], results[1]["dense_from_1"]) == (2, 3)  # each rank's own timing
+    for rank in (0, 1):
+        seen = [results[rank][f"{name}_{rank}"] for name in ("three_rows", "two_rows", "one_row")]
+        assert [s["agreed"] for s in seen] == [2, 2, 2]
+        assert [s["exchanges"] for s in seen] == [1, 1, 2]
+        assert [s["slower"] for s in seen] == [3, 5, 5] and [s["flashhead"] for s in seen] == [0, 0, 1]
+        assert all(s["fallbacks"] == 0 for s in seen)
+    dense = _dense()
+    torch.testing.assert_close(torch.from_numpy(results[0]["three_rows"]), dense)
+    torch.testing.assert_close(torch.from_numpy(results[0]["two_rows"]), dense[:2])
+    one_row = torch.from_numpy(results[0]["one_row"])
+    shard = results[1]["vocab_range"][0]
+    assert not torch.isfinite(one_row[0, :shard]).all() and not torch.isfinite(one_row[0, shard:VOCAB]).all()
+    finite = torch.isfinite(one_row)
+    torch.testing.assert_close(one_row[finite], dense[:1][finite])

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from my_pkg.flashhead.step_costs import StepCosts, measure_step_costs, retime_greedy
+from my_pkg.flashhead.step_costs import (
+    MEASURED_BATCHES,
+    PACKED_COSTS,
+    StepCosts,
+    measure_step_costs,
+    pack_costs,
+    retime_greedy,
+    slowest_costs,
+    unpack_costs,
+)
 
 # A dense head flat to 8 rows then linear; FlashHead greedy 4x cheaper per row at one row, sampled rows dearer.
 COSTS = StepCosts(
@@ -25,6 +34,26 @@ def test_greedy_and_sampled_steps_go_dense_where_they_stop_paying():
     assert COSTS.plan(0, 4) == "dense"
     assert COSTS.dense_from(sampled=False) == 8
     assert COSTS.dense_from(sampled=True) == 4
+
+
+def test_every_kind_of_step_goes_dense_from_the_batch_where_the_dearest_kind_to_go_dense_does():
+    # Sampled rows go dense from 4 rows, greedy ones from 8; a mixed step of 4 rows (2 + 2: 2 + 4 = 6 < 8) still
+    # pays: from 8 rows every kind is dense.
+    assert COSTS.plan(2, 2) == "flashhead"
+    assert COSTS.dense_from_every_kind() == 8
+    assert COSTS.dense_from_every_kind(check_every=1) == 1  # a dense row per FlashHead row: dense from one row
+    greedy_only = StepCosts(COSTS.batches, COSTS.dense_s, COSTS.greedy_s, None, margin=1.0)
+    assert greedy_only.dense_from_every_kind() == 8
+    # A kind that pays again at a larger batch: dense only from the batch after it; paying at the last: none.
+    again = StepCosts((1, 4, 8, 16), (8.0, 8.0, 20.0, 20.0), (4.0, 9.0, 9.0, 30.0), None, margin=1.0)
+    assert again.plan(4, 0) == "dense" and again.plan(8, 0) == "flashhead"
+    assert again.dense_from_every_kind() == 16
+    assert StepCosts((1, 8), (8.0, 8.0), (1.0, 2.0), None, margin=1.0).dense_from_every_kind() is None
+    # A mixed step that pays where each kind alone goes dense keeps the batch on FlashHead.
+    nan = float("nan")
+    shared = StepCosts((1, 8), (8.0, 8.0), (1.0, 9.0), (1.0, 9.0), (nan, 4.0), margin=1.0)
+    assert shared.plan(8, 0) == shared.plan(0, 8) == "dense" and shared.plan(4, 4) == "flashhead"
+    assert shared.dense_from_every_kind() is None
 
 
 def test_a_mixed_step_costs_a_step_of_each_kind_and_counts_its_dense_rows():
@@ -89,6 +118,15 @@ def test_flashhead_must_be_predicted_ten_percent_faster_by_default():
     assert near.plan(1, 0) == "dense"  # 9.5 * 1.1 > 10
     assert near.plan(0, 1) == "flashhead"  # 9.0 * 1.1 < 10
     assert StepCosts((1, 8), (10.0, 10.0), (9.5, 9.5), None, margin=1.0).plan(1, 0) == "flashhead"
+
+
+def test_a_step_split_between_the_heads_counts_the_margin_on_its_dense_rows_too():
+    # 4 greedy rows on FlashHead (2) and 4 rows on the dense head (7.5) against all 8 rows dense (10): 9.5 wins
+    # without a margin; with it, 1.1 * 9.5 = 10.45 does not (the margin on FlashHead's part alone: 9.7 would).
+    costs = StepCosts((1, 4, 8), (5.0, 7.5, 10.0), (1.0, 2.0, 20.0), (20.0, 20.0, 20.0))
+    exact = StepCosts(costs.batches, costs.dense_s, costs.greedy_s, costs.sampled_s, margin=1.0)
+    assert exact.plan(4, 4) == "sampled_dense" and costs.plan(4, 4) == "dense"
+    assert exact.plan(4, 0, 4) == "flashhead" and costs.plan(4, 0, 4) == "dense"  # 4 rows that need the dense head
 
 
 def test_the_live_fidelity_check_counts_a_dense_row_for_every_checked_row():
@@ -247,3 +285,50 @@ def test_retiming_greedy_rows_times_the_mixed_steps_again_too():
     assert again.greedy_s == (5.0, 20.0) and again.sampled_s == timed.sampled_s
     assert np.isnan(again.mixed_s[0]) and again.mixed_s[1] == 22.0
     assert {count for _, count in seen} == {0, 2}  # greedy steps and mixed ones (2 of 4 rows sampled)
+
+
+def _same(a: StepCosts | None, b: StepCosts | None) -> bool:
+    """Equal timings, NaN equal to NaN."""
+    if a is None or b is None:
+        return a is b
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and np.array_equal(x, y, equal_nan=True))
+        for x, y in (
+            (a.batches, b.batches),
+            (a.dense_s, b.dense_s),
+            (a.greedy_s, b.greedy_s),
+            (a.sampled_s, b.sampled_s),
+            (a.mixed_s, b.mixed_s),
+        )
+    )
+
+
+def test_a_timing_packs_into_a_fixed_size_and_back():
+    nan = float("nan")
+    timed = StepCosts((1, 2, 4), (1.0, 1.5, 2.0), (0.25, 0.5, 1.0), (0.3, 0.6, 1.2), (nan, 0.55, 1.1))
+    packed = pack_costs(timed)
+    assert packed.dtype == torch.float64 and packed.shape == (PACKED_COSTS,)
+    assert _same(unpack_costs(packed), timed)
+    greedy_only = StepCosts((1, 2), (1.0, 1.0), (0.5, 0.7), None)
+    assert _same(unpack_costs(pack_costs(greedy_only)), greedy_only)
+    assert unpack_costs(pack_costs(None)) is None
+    every = tuple(MEASURED_BATCHES)
+    full = StepCosts(every, (1.0,) * len(every), (2.0,) * len(every), None)
+    assert _same(unpack_costs(pack_costs(full)), full)
+    too_many = StepCosts((*every, 512), (1.0,) * (len(every) + 1), (2.0,) * (len(every) + 1), None)
+    assert unpack_costs(pack_costs(too_many)) is None  # not packable: as if not timed
+    assert _same(unpack_costs(pack_costs(timed).view(torch.int64).view(torch.float64)), timed)  # as exchanged
+
+
+def test_the_slowest_rank_s_time_at_each_batch_every_rank_timed():
+    nan = float("nan")
+    fast = StepCosts((1, 2, 4), (1.0, 1.0, 3.0), (0.5, 0.6, 4.0), (0.7, 0.9, 5.0), (nan, 0.8, 4.5))
+    slow = StepCosts((1, 2), (1.2, 0.9), (0.4, 0.9), (0.6, 1.0), (nan, 1.1))
+    merged = slowest_costs([fast, slow])
+    assert _same(merged, StepCosts((1, 2), (1.2, 1.0), (0.5, 0.9), (0.7, 1.0), (nan, 1.1)))
+    assert slowest_costs([fast, None]) is None and slowest_costs([]) is None
+    assert slowest_costs([fast, StepCosts((8,), (1.0,), (1.0,), None)]) is None  # no batch in common
+    without_sampled = slowest_costs([fast, StepCosts((1,), (1.0,), (0.5,), None)])
+    assert without_sampled.sampled_s is None and without_sampled.mixed_s is None
+    # Where every rank's timing serves a kind dense, so does the slowest one.
+    assert fast.plan(4, 0) == "dense" and slowest_costs([fast, fast]).plan(4, 0) == "dense"

@@ -1,0 +1,289 @@
+"""A decode step as a tensor-parallel server serves it, start-up timing included: TP=2 on CPU.
+
+Two spawned ranks over vLLM's TP group (gloo, and vLLM's CPU shared-memory all-gather, as vLLM serves on
+CPU), one thread each. Each rank holds vLLM's ``ParallelLMHead`` over its half of a random head (loaded by
+its weight loader and set up as vLLM's loader does) and our ``LogitsProcessor`` subclass with a FlashHead
+controller (random balanced clusters, the builder's default probes, a fitted sampled-row estimate). Each
+rank builds its head and times it alone (``build_head``, as right after the weights load); then every step
+runs through the processor as the model runner calls it, armed with the step's rows: the stage-1 exchange
+unless the ranks agreed to skip it, the rank's shard, vLLM's logits gather. Against vLLM's own
+``LogitsProcessor.forward`` (its product for the head and the same gather), in paired rounds, for greedy,
+sampled and mixed (every other row sampled) steps. A ratio below 1.0 is a step served slower than dense.
+
+``--untimed`` sets ``MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD=never``: every step by FlashHead, as a
+tensor-parallel server served before its ranks were timed.
+
+    python -m bench.tp_served_step --dtype bfloat16 --rounds 3
+    python -m bench.tp_served_step --dtype bfloat16 --rounds 3 --untimed
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from bench._report import (
+    add_head_shape_options,
+    command_line,
+    fitted_tail_factors,
+    int_list,
+    machine_description,
+    median_ms,
+    write_section,
+)
+from bench.head import sampled_mask
+from bench.served_step import KINDS
+from bench.tp_head import _free_port
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+WORLD = 2
+
+
+def _served_as(counters: Any, before: tuple[int, int, int], batch: int) -> str:
+    """How this rank served the step it just served, from its counters: FlashHead (as asked), its sampled rows
+    dense, or dense; `+x` when the step exchanged its best clusters."""
+    served = counters.rows_flashhead - before[0]
+    moved = counters.rows_dense["slower_than_dense"] - before[1]
+    plan = "flashhead" if served == batch else "dense" if moved == batch else "sampled_dense"
+    return plan + ("+x" if counters.stage1_exchanges > before[2] else "")
+
+
+def _rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    try:
+        queue.put((rank, _serve(rank, port, args)))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it
+        queue.put((rank, exc))
+        raise
+
+
+def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from my_pkg.engine.flashhead import FlashHeadController, StepRows
+    from my_pkg.engine.patches import logits_processor
+    from my_pkg.flashhead.clustering import random_balanced_assignment
+    from my_pkg.flashhead.head import default_n_probes
+
+    torch.set_num_threads(1)
+    os.environ["VLLM_DIST_IDENT"] = f"bench-tp-served-step-{port}"  # as vLLM's CPU worker sets it
+    os.environ.pop("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", None)
+    if args.untimed:
+        os.environ["MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD"] = "never"
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator().manual_seed(0)  # the same head on both ranks
+    weight = torch.randn(args.vocab, args.hidden, generator=generator).to(dtype)
+    assignments = random_balanced_assignment(args.vocab, 16)
+    clusters = int(assignments.max()) + 1
+    centroids = torch.randn(clusters, args.hidden, generator=generator)
+    tail_factors = fitted_tail_factors(weight, args.vocab)
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(WORLD, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=WORLD)
+        try:
+            lm_head = ParallelLMHead(args.vocab, args.hidden, params_dtype=dtype)
+            lm_head.weight_loader(lm_head.weight, weight)
+            lm_head.quant_method.process_weights_after_loading(lm_head)  # vLLM's CPU GEMM set-up
+            del weight
+            processor = logits_processor.subclass()(args.vocab)
+            controller = FlashHeadController(
+                centroids=centroids,
+                assignments=assignments,
+                config={"n_probes": default_n_probes(clusters)},
+                vocab_size=args.vocab,
+                pinned_ids=range(args.vocab - 3, args.vocab),
+                tail_factors=tail_factors,
+            )
+            processor._my_pkg_flashhead = controller
+            started = time.perf_counter()
+            logits_processor.build_head(controller, lm_head)
+            report = controller.status().step_costs
+            out: dict = {"build_s": time.perf_counter() - started, "costs": report, "rows": []}
+            hidden_rows = torch.Generator().manual_seed(1)
+            with torch.inference_mode():
+                for batch in args.batches:
+                    hidden = torch.randn(batch, args.hidden, generator=hidden_rows).to(dtype)
+                    line: dict = {"batch": batch, "kinds": {}}
+                    for kind in KINDS:
+                        if kind == "mixed" and batch == 1:
+                            continue
+                        step = StepRows(np.zeros(batch, np.uint8), sampled_mask(kind, batch))
+
+                        def served(step=step, hidden=hidden):
+                            controller.arm(lambda: step)
+                            return processor(lm_head, hidden)
+
+                        def dense(hidden=hidden):
+                            return LogitsProcessor.forward(processor, lm_head, hidden)
+
+                        counters = controller.counters
+                        before = (
+                            counters.rows_flashhead,
+                            counters.rows_dense["slower_than_dense"],
+                            counters.stage1_exchanges,
+                        )
+                        served()
+                        served_as = _served_as(counters, before, batch)
+                        dense()
+                        ratios, served_ms, dense_ms = [], [], []
+                        for _ in range(args.rounds):
+                            d = median_ms(dense, args.repeats)
+                            s = median_ms(served, args.repeats)
+                            ratios.append(d / s)
+                            served_ms.append(s)
+                            dense_ms.append(d)
+                        line["kinds"][kind] = {
+                            "served_as": served_as,
+                            "dense_ms": statistics.median(dense_ms),
+                            "ms": statistics.median(served_ms),
+                            "ratio": statistics.median(ratios),
+                            "min": min(ratios),
+                            "max": max(ratios),
+                        }
+                    out["rows"].append(line)
+                    if rank == 0:
+                        text = "  ".join(
+                            f"{k} {v['served_as']:<15} {v['ms']:7.2f} ms x{v['ratio']:.2f}"
+                            for k, v in line["kinds"].items()
+                        )
+                        print(f"  B={batch:4d}: {text}", flush=True)
+            out["agreed"] = controller.dense_from_agreed
+            out["exchanges"] = controller.counters.stage1_exchanges
+            return out
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
+def _cell(kinds: list[dict]) -> str:
+    ranks = [k["served_as"] for k in kinds]
+    label = ranks[0] if len(set(ranks)) == 1 else " / ".join(ranks)
+    v = kinds[0]
+    return f"{label}: x{v['ratio']:.2f} ({v['min']:.2f}..{v['max']:.2f})"
+
+
+def _rounded(times: list[float | None] | None) -> list[float | None] | None:
+    return [None if ms is None else round(ms, 2) for ms in times] if times is not None else None
+
+
+def to_markdown(results: dict[int, dict], args: argparse.Namespace, machine: str) -> str:
+    first = results[0]
+    out = [
+        f"### A tensor-parallel decode step as served, TP=2{' untimed' if args.untimed else ''} (cpu, {args.dtype})",
+        "",
+        f"Machine: {machine}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        f"V = {args.vocab:,}, H = {args.hidden:,}, random head, random balanced clusters of 16, the builder's default "
+        "probes, a fitted sampled-row estimate, 3 pinned ids. Two ranks (processes, one thread each) over vLLM's "
+        "TP group (its CPU shared-memory all-gather), each with vLLM's `ParallelLMHead` over its half of the "
+        "vocabulary and our logits processor; "
+        + (
+            "`MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD=never`: every step by FlashHead (before the ranks were timed). "
+            if args.untimed
+            else "each rank built and timed its head alone at start-up. "
+        )
+        + "Served = the processor's `forward` armed with the step's rows (the stage-1 exchange unless skipped, the "
+        "rank's shard, vLLM's logits gather), against vLLM's own `LogitsProcessor.forward` (its product and the "
+        f"same gather), {args.rounds} paired rounds of {args.repeats} calls (median) on rank 0's wall clock. "
+        "Ratio = dense / served, median of the rounds (lowest..highest). Each cell says how each rank served the "
+        "step (`rank 0 / rank 1` where they differ): `flashhead` as asked, `sampled_dense` its sampled rows dense, "
+        "`dense` every row; `+x`: the step exchanged its best clusters (no `+x`: skipped on both ranks).",
+        "",
+    ]
+    for rank in range(WORLD):
+        costs = results[rank]["costs"]
+        if costs is None:
+            out.append(f"Rank {rank}: not timed; built in {results[rank]['build_s']:.1f} s.")
+        else:
+            out.append(
+                f"Rank {rank}, built and timed in {results[rank]['build_s']:.1f} s, at {costs.batches} rows (ms): "
+                f"dense {_rounded(costs.dense_ms)}, greedy {_rounded(costs.greedy_ms)}, sampled "
+                f"{_rounded(costs.sampled_ms)}, mixed {_rounded(costs.mixed_ms)}; every step dense from "
+                f"{costs.dense_from} rows."
+            )
+        out.append("")
+    out.append(
+        f"Agreed at the exchanges: every step dense from {first['agreed']} rows; steps that exchanged: "
+        f"{first['exchanges']} on rank 0, {results[1]['exchanges']} on rank 1 (warm-up calls included)."
+    )
+    out += ["", "| batch | dense ms | " + " | ".join(KINDS) + " |", "|---:|---:|" + "---|" * len(KINDS)]
+    for index, line in enumerate(first["rows"]):
+        other = results[1]["rows"][index]["kinds"]
+        cells = ["—" if kind not in line["kinds"] else _cell([line["kinds"][kind], other[kind]]) for kind in KINDS]
+        out.append(f"| {line['batch']} | {line['kinds']['greedy']['dense_ms']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_head_shape_options(ap)
+    ap.add_argument("--batches", type=int_list, default=BATCHES)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="calls per measurement (median)")
+    ap.add_argument("--untimed", action="store_true", help="every step by FlashHead (no start-up timing)")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.repeats < 1:
+        ap.error("--rounds and --repeats must be >= 1")
+    if args.vocab % WORLD:
+        ap.error(f"--vocab must be a multiple of {WORLD}")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[int, dict]:
+    """Both ranks' results (rank -> its timing, and how it served each step), from two spawned ranks."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    procs = [context.Process(target=_rank, args=(rank, port, args, queue)) for rank in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, dict] = {}
+    try:
+        for _ in procs:
+            rank, value = queue.get(timeout=3600)
+            if isinstance(value, BaseException):
+                raise SystemExit(f"rank {rank} failed: {value!r}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    machine = machine_description()
+    print(machine)
+    print(f"Command: `{command_line()}`", flush=True)
+    markdown = to_markdown(run(args), args, machine)
+    print(markdown)
+    if not args.no_write:
+        name = "tp-served-step" + ("" if args.dtype == "float32" else f"-{args.dtype}")
+        name += "-untimed" if args.untimed else ""
+        print(f"wrote {write_section(name, markdown)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
