@@ -125,9 +125,16 @@ def _write_fitted_tail(model_dir: Path) -> None:
 
 
 def flashhead_server(
-    model: Path, log_path: Path, *, max_model_len: int, max_num_seqs: int, extra_args: list[str] | None = None
+    model: Path,
+    log_path: Path,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    extra_args: list[str] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> VllmServer:
-    """A float32 server with both halves allowlisted and ``ADMIN_TOKEN`` as the admin token."""
+    """A float32 server with both halves allowlisted and ``ADMIN_TOKEN`` as the admin token; under tensor
+    parallelism (``extra_args`` names the size) each rank bound to one core of its own."""
     env: dict[str, str | None] = {
         "VLLM_PLUGINS": BOTH_HALVES,
         "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
@@ -139,6 +146,8 @@ def flashhead_server(
         "MY_PKG_RPC_TIMEOUT": None,
         "MY_PKG_STATUS_MAX_AGE": None,
     }
+    if tensor_parallel_size > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tensor_parallel_size))
     args = ["--max-num-seqs", str(max_num_seqs), *(extra_args or [])]
     return VllmServer(
         model=str(model), args=args, env=env, log_path=log_path, dtype="float32", max_model_len=max_model_len

@@ -327,6 +327,8 @@ def bench_shape(shape: Shape, args: argparse.Namespace) -> list[ShapeResult]:
 def bench_server(shape: Shape, name: str, model: Path, variant: SpecVariant, args: argparse.Namespace) -> ShapeResult:
     max_c = max(args.concurrency)
     extra_args = ["--speculative-config", json.dumps(variant.config)] if variant.config else []
+    if args.tensor_parallel_size > 1:
+        extra_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     suffix = f"-spec-{'-'.join(variant.label.lower().replace('+', '').split())}" if variant.config else ""
     if variant.label:
         print(f"  -- {variant.label}: --speculative-config '{json.dumps(variant.config)}'", flush=True)
@@ -336,6 +338,7 @@ def bench_server(shape: Shape, name: str, model: Path, variant: SpecVariant, arg
         max_model_len=args.max_tokens + 64,
         max_num_seqs=max(32, max_c),
         extra_args=extra_args,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     t0 = time.perf_counter()
     with server:
@@ -543,7 +546,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="speculative decoding: ngram (FlashHead verify), draft (FlashHead verify, then verify + draft) or "
         "eagle (verify + draft with an EAGLE head), each against dense; concurrency 1,8 by default; prints only",
     )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's --tensor-parallel-size (one core per rank: VLLM_CPU_OMP_THREADS_BIND 0|1|...); prints only",
+    )
     args = ap.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        ap.error("--tensor-parallel-size must be >= 1")
+    if args.tensor_parallel_size > 1 and args.write_docs:
+        ap.error("--tensor-parallel-size prints its tables only; --write-docs writes the TP=1 serve section")
     if args.spec is not None and args.write_docs:
         ap.error("--spec prints its tables only; --write-docs writes the serve section without speculation")
     args.concurrency = args.concurrency or ([1, 8] if args.quick or args.spec else [1, 8, 32])

@@ -351,7 +351,8 @@ class FlashHeadCounters(WorkerReply):
     stage1_exchanges: int = Field(
         default=0,
         description="Under tensor parallelism: decode steps on which this rank exchanged its best clusters with the "
-        "other ranks (the same count on every rank; steps served dense on every rank exchange nothing).",
+        "other ranks (the same count on every rank; steps of `step_costs.dense_from_agreed` rows or more, or above "
+        "`dense_batch_threshold`, exchange nothing).",
     )
 
 
@@ -387,8 +388,8 @@ class StepCostsReport(WorkerReply):
     )
     dense_from: int | None = Field(
         default=None,
-        description="Smallest timed batch from which a step goes dense whatever its rows (greedy, sampled or "
-        "mixed), at it and every larger timed batch; null: none.",
+        description="Smallest timed batch from which a step of only greedy, only sampled or half sampled rows "
+        "goes dense, at it and every larger timed batch; null: none.",
     )
     dense_from_agreed: int | None = Field(
         default=None,

@@ -171,8 +171,8 @@ class StepCosts:
     def dense_from_every_kind(self, *, check_every: int = 0) -> int | None:
         """The smallest timed batch from which a step is served dense whatever its rows (greedy only, sampled only
         or every other row sampled), at that batch and every larger timed one; None when FlashHead serves some
-        kind at the largest.  Tensor-parallel ranks serve every step from the largest of their values dense,
-        without their stage-1 exchange."""
+        kind at the largest.  Tensor-parallel ranks serve every step from this batch of their agreed timing
+        (:func:`slowest_costs`) dense, without their stage-1 exchange."""
         found = None
         for rows in reversed(self.batches):
             kinds = [(rows, 0)]

@@ -114,6 +114,7 @@ def _rank_costs(rank: int) -> Any:
 
 
 def _timed_scenarios(rank: int, lm_head: Any, processor: Any, hidden: Any, centroids: Any, assignments: Any) -> dict:
+    from my_pkg.contract import FlashHeadUpdate
     from my_pkg.engine.flashhead import FlashHeadController, StepRows
     from my_pkg.engine.patches import logits_processor
 
@@ -121,8 +122,14 @@ def _timed_scenarios(rank: int, lm_head: Any, processor: Any, hidden: Any, centr
     timed = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB)
     processor._my_pkg_flashhead = timed
     logits_processor.build_head(timed, lm_head)  # as after the weights load: built, warmed up, timed alone
-    results: dict[str, Any] = {f"timed_batches_{rank}": timed.step_costs.batches}
+    results: dict[str, Any] = {f"own_timing_{rank}": _sides(timed.step_costs)}
+    timed.arm(lambda: StepRows(np.zeros(1, np.uint8), np.zeros(1, bool)))
+    processor(lm_head, hidden[:1])  # the first exchange carries both real timings through vLLM's all-gather
+    results[f"agreed_timing_{rank}"] = _sides(timed.agreed_costs)
+    timed.apply(FlashHeadUpdate(enabled=True))  # an update on every rank: the agreement is forgotten
     timed.step_costs = _rank_costs(rank)
+    counters = timed.counters
+    base = (counters.stage1_exchanges, counters.rows_dense["slower_than_dense"], counters.rows_flashhead)
     results[f"dense_from_{rank}"] = timed.dense_from()
     for name, rows in (("three_rows", 3), ("two_rows", 2), ("one_row", 1)):
         step_rows = StepRows(np.zeros(rows, np.uint8), np.arange(rows) % 2 == 1)
@@ -132,9 +139,16 @@ def _timed_scenarios(rank: int, lm_head: Any, processor: Any, hidden: Any, centr
             results[name] = logits.numpy().copy()
         results[f"{name}_{rank}"] = {
             "agreed": timed.dense_from_agreed,
-            "exchanges": timed.counters.stage1_exchanges,
-            "slower": timed.counters.rows_dense["slower_than_dense"],
-            "flashhead": timed.counters.rows_flashhead,
+            "exchanges": counters.stage1_exchanges - base[0],
+            "slower": counters.rows_dense["slower_than_dense"] - base[1],
+            "flashhead": counters.rows_flashhead - base[2],
             "fallbacks": timed.counters.fallbacks,
         }
     return results
+
+
+def _sides(costs: Any) -> tuple | None:
+    """A timing as plain tuples (pickled by value through the queue)."""
+    if costs is None:
+        return None
+    return (costs.batches, costs.dense_s, costs.greedy_s, costs.sampled_s, costs.mixed_s)

@@ -129,6 +129,23 @@ def test_spec_arguments_default_to_concurrency_1_and_8_and_print_only():
             parse_args(argv)
 
 
+def test_a_tensor_parallel_server_binds_a_core_per_rank_and_prints_only(tmp_path):
+    from bench._load import flashhead_server
+
+    assert parse_args([]).tensor_parallel_size == 1
+    assert parse_args(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+    for argv in (["--tensor-parallel-size", "2", "--write-docs"], ["--tensor-parallel-size", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    extra = ["--tensor-parallel-size", "2"]
+    server = flashhead_server(
+        tmp_path, tmp_path / "log", max_model_len=128, max_num_seqs=8, extra_args=extra, tensor_parallel_size=2
+    )
+    assert server.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and "--tensor-parallel-size" in server.args
+    alone = flashhead_server(tmp_path, tmp_path / "log", max_model_len=128, max_num_seqs=8)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in alone.env
+
+
 def test_a_spec_table_reports_each_modes_acceptance():
     result = _result("quick", {"greedy": [1.2], "sampled": [1.1]})
     result.variant = SpecVariant("FlashHead verify + draft", {"method": "draft_model"})

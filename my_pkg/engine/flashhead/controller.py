@@ -483,36 +483,51 @@ class FlashHeadController:
         self, hidden: torch.Tensor, width: int, rows: StepRows | None = None
     ) -> tuple[torch.Tensor, bool]:
         """`([rows, width (+ PACKED_COSTS)] int64, scored)`: what this rank sends in the stage-1 exchange: its
-        `stage1_keys` and, on the first exchange since start-up or an update of a CPU head that times itself,
-        its timing (`pack_costs`, the float64 bits; none where the timing failed), so that every rank then plans
+        `stage1_keys` and, on the first exchange since start-up or an update of a CPU head whose settings time it,
+        its timing (`pack_costs`, the float64 bits; all NaN where it has none), so that every rank then plans
         from all of them. Whether the timing travels is alike on every rank, so the shapes match. When the
         agreed timing serves the whole step dense on every rank (`rows`, alike on every rank), the keys are not
-        scored: no rank probes anything this step. Never raises where `stage1_keys` does not."""
+        scored: no rank probes anything this step. Never raises: whatever fails, the payload keeps its shape
+        (keys that rank this share last, an empty timing; counted)."""
         num_rows = int(hidden.shape[0])
-        if self._dense_on_every_rank(rows):
-            keys, scored = torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), True
-        else:
-            keys, scored = self.stage1_keys(hidden, width)
-        self._carrying_timing = (
-            self.settings.measure_step_costs and not self._timings_exchanged and hidden.device.type == "cpu"
-        )
-        if not self._carrying_timing:
-            return keys, scored
-        self._timings_exchanged = True  # decided before the collective, as on every rank, whatever it gives
-        timing = pack_costs(self.step_costs).view(torch.int64).to(keys.device)
-        return torch.cat([keys, timing.expand(num_rows, -1)], dim=1), scored
+        carrying = self.settings.measure_step_costs and not self._timings_exchanged and hidden.device.type == "cpu"
+        # Decided before the collective, alike on every rank, whatever the collective gives.
+        self._carrying_timing, self._timings_exchanged = carrying, self._timings_exchanged or carrying
+        try:
+            if self._dense_on_every_rank(rows):
+                keys, scored = torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), True
+            else:
+                keys, scored = self.stage1_keys(hidden, width)
+            if not carrying:
+                return keys, scored
+            timing = pack_costs(self.step_costs).view(torch.int64).to(keys.device)
+            return torch.cat([keys, timing.expand(num_rows, -1)], dim=1), scored
+        except Exception as exc:  # noqa: BLE001 - the exchange must happen, with its shape, whatever fails here
+            self.record_fallback(exc, num_rows)
+            keys = torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device)
+            if not carrying:
+                return keys, False
+            empty = torch.full((num_rows, PACKED_COSTS), math.nan, dtype=torch.float64, device=hidden.device)
+            return torch.cat([keys, empty.view(torch.int64)], dim=1), False
 
     def stage1_received(self, gathered: torch.Tensor, width: int) -> torch.Tensor:
         """Every rank's keys `[rows, tp * width]` from the gathered payloads (`stage1_payload`); where they carry the
-        ranks' timings, every rank reads the same ones and agrees on them (`agreed_costs`, `dense_from_agreed`)."""
+        ranks' timings, every rank reads the same ones and agrees on them (`agreed_costs`, `dense_from_agreed`;
+        none when they cannot be read, which the same tensor gives every rank alike)."""
         num_rows = int(gathered.shape[0])
         payloads = gathered.view(num_rows, -1, width + (PACKED_COSTS if self._carrying_timing else 0))
         if self._carrying_timing:
-            timings = [unpack_costs(timing.contiguous().view(torch.float64)) for timing in payloads[0, :, width:]]
-            agreed = slowest_costs(timings)
-            self.agreed_costs = agreed
-            every = self._checked_every()
-            self.dense_from_agreed = agreed.dense_from_every_kind(check_every=every) if agreed is not None else None
+            try:
+                timings = [unpack_costs(timing.contiguous().view(torch.float64)) for timing in payloads[0, :, width:]]
+                agreed = slowest_costs(timings)
+                every = self._checked_every()
+                dense_from = agreed.dense_from_every_kind(check_every=every) if agreed is not None else None
+            except Exception as exc:  # noqa: BLE001 - no agreement: FlashHead serves every step, as untimed
+                logger.warning(
+                    "my_pkg: FlashHead ranks could not agree on their timings (%s: %s)", type(exc).__name__, exc
+                )
+                agreed = dense_from = None
+            self.agreed_costs, self.dense_from_agreed = agreed, dense_from
         self.counters.stage1_exchanges += 1
         return payloads[..., :width].reshape(num_rows, -1)
 

@@ -24,9 +24,10 @@ rank takes the best `P` of the same gathered keys: the probes the full stage 1
 would choose, the same on every rank. Each rank then scores the candidates in its
 vocabulary shard, and vLLM's own gather joins the shards.
 
-Both collectives are reached exactly once per armed step on every rank, failures
-included, because whether and with which shape a rank reaches them never depends
-on anything that can differ between ranks:
+vLLM's gather is reached exactly once per armed step on every rank, and the
+stage-1 exchange at most once, on every rank alike, failures included, because
+whether and with which shape a rank reaches them never depends on anything that
+can differ between ranks:
 
 - vLLM's gather: every path of a step ends in it (a failure before it serves the
   rank's shard dense), as vLLM's own forward does.

@@ -58,8 +58,10 @@ class ThreadGroup:
         self.calls[rank] += 1
         self.parts[rank] = tensor
         self.barrier.wait()
+        shapes = {tuple(self.parts[r].shape) for r in range(len(self.parts))}
         gathered = torch.cat([self.parts[r] for r in range(len(self.parts))], dim=dim)
         self.barrier.wait()
+        assert len(shapes) == 1, f"the ranks sent different shapes: {shapes}"  # a real all-gather would hang
         return gathered
 
 
@@ -411,3 +413,67 @@ def test_the_first_exchange_carries_the_timings_and_only_where_ranks_time_themse
         _step(group, ranks, hidden)
         first = width + (PACKED_COSTS if timed else 0)
         assert sizes == [first, first, width, width]  # each rank's int64 columns per row, step by step
+
+
+def _agreed_sampled_dense(ranks):
+    """Both ranks timed so that one greedy row pays and one sampled row does not (`measure_step_costs` on)."""
+    nan = float("nan")
+    for processor, _, _ in ranks:
+        controller = processor._my_pkg_flashhead
+        controller.step_costs = StepCosts((1, 2), (1.0, 1.0), (0.5, 2.0), (2.0, 2.0), (nan, 2.0))
+        controller.settings.measure_step_costs = True
+
+
+def test_a_rank_that_cannot_read_its_rows_scores_its_keys_while_the_others_send_unscored_ones(group, weight):
+    hidden = torch.randn(1, HIDDEN)
+    ranks = _ranks(weight, n_probes=1)
+    _build(group, ranks, hidden)
+    _agreed_sampled_dense(ranks)
+    _step(group, ranks, hidden)  # agreed here
+
+    def source(rank, rows):
+        if rank == 1:
+            raise RuntimeError("rows")
+        return rows
+
+    logits = _step(group, ranks, hidden, sampled=[True], source=source)  # planned dense; rank 1 cannot plan
+    torch.testing.assert_close(logits, hidden @ weight.T)
+    assert group.calls == {0: 2, 1: 2}
+    assert ranks[1][0]._my_pkg_flashhead.counters.fallbacks == 1
+    assert ranks[0][0]._my_pkg_flashhead.counters.rows_dense == {"slower_than_dense": 1}
+
+
+@pytest.mark.parametrize("broken", ["keys", "pack"])
+def test_a_rank_failing_on_the_exchange_that_carries_the_timings_keeps_the_ranks_in_step(
+    group, weight, monkeypatch, broken
+):
+    """Rank 1 cannot score its share (or cannot even pack its timing) on the first exchange: the payloads keep
+    their shape, both ranks agree alike (on both timings, or on none when an empty one travelled), and the next
+    step exchanges on both ranks or on neither."""
+    import my_pkg.engine.flashhead.controller as controller_module
+
+    hidden = torch.randn(2, HIDDEN)
+    ranks = _ranks(weight, n_probes=1)
+    _build(group, ranks, hidden)
+    _agreed_sampled_dense(ranks)
+    controllers = [processor._my_pkg_flashhead for processor, _, _ in ranks]
+    failing = controllers[1]
+    if broken == "keys":
+        monkeypatch.setattr(failing.stage1, "keys", _broken)
+    else:
+        real_pack = controller_module.pack_costs
+        monkeypatch.setattr(
+            controller_module,
+            "pack_costs",
+            lambda costs: _broken() if costs is failing.step_costs else real_pack(costs),
+        )
+    logits = _step(group, ranks, hidden)
+    torch.testing.assert_close(logits[:, SHARD:], (hidden @ weight.T)[:, SHARD:])  # rank 1: its shard dense
+    assert failing.counters.fallbacks == 1 and controllers[0].counters.fallbacks == 0
+    if broken == "keys":  # its timing travelled: both agree on it
+        assert [c.dense_from_agreed for c in controllers] == [2, 2]
+    else:  # an empty timing travelled in its place: nothing agreed, on both ranks
+        assert [c.agreed_costs for c in controllers] == [None, None]
+    assert [c.counters.stage1_exchanges for c in controllers] == [1, 1]
+    _step(group, ranks, hidden)
+    assert group.calls[0] == group.calls[1] == (1 if broken == "keys" else 2)  # 2 rows: dense from 2 if agreed

@@ -10,6 +10,7 @@ import multiprocessing
 import queue as queues
 import socket
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,9 +95,24 @@ def test_a_rank_raising_in_stage_2_finishes_the_step_on_both_ranks(results):
     assert results[1]["fallbacks_stage2_fails_on_rank_1_1"] == 2
 
 
-def test_each_rank_times_its_own_part_without_a_collective(results):
+def test_each_rank_times_its_own_part_and_the_first_exchange_agrees_on_the_slowest(results):
+    """Both ranks' real timings (every batch, every side) cross vLLM's all-gather on the first decode step, and
+    each rank then holds the same agreed timing: each side's slowest rank at each batch both timed."""
+    from my_pkg.flashhead.step_costs import StepCosts, slowest_costs
+
+    own = [StepCosts(*results[rank][f"own_timing_{rank}"]) for rank in (0, 1)]
+    assert all(costs.batches[0] == 1 and costs.sampled_s is not None for costs in own)
+    expected = slowest_costs(own)
     for rank in (0, 1):
-        assert results[rank][f"timed_batches_{rank}"][0] == 1
+        agreed = results[rank][f"agreed_timing_{rank}"]
+        assert agreed is not None
+        for got, want in zip(
+            agreed,
+            (expected.batches, expected.dense_s, expected.greedy_s, expected.sampled_s, expected.mixed_s),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(got, dtype=float), np.asarray(want, dtype=float))
+    assert own[0].dense_s != own[1].dense_s  # two timings, not one timing twice
 
 
 def test_the_ranks_plan_from_their_slowest_times_and_skip_the_exchange_together(results):

@@ -330,5 +330,11 @@ def test_the_slowest_rank_s_time_at_each_batch_every_rank_timed():
     assert slowest_costs([fast, StepCosts((8,), (1.0,), (1.0,), None)]) is None  # no batch in common
     without_sampled = slowest_costs([fast, StepCosts((1,), (1.0,), (0.5,), None)])
     assert without_sampled.sampled_s is None and without_sampled.mixed_s is None
-    # Where every rank's timing serves a kind dense, so does the slowest one.
-    assert fast.plan(4, 0) == "dense" and slowest_costs([fast, fast]).plan(4, 0) == "dense"
+    # A rank whose FlashHead pays at 2 greedy rows and one whose dense head is slow there: the slowest of each side
+    # (FlashHead 0.9, dense 1.3) still pays; with the first rank's dense time (1.0) it would not.
+    other = StepCosts((1, 2), (1.0, 1.3), (0.5, 0.5), None, margin=1.0)
+    first = StepCosts((1, 2), (1.0, 1.0), (0.5, 0.9), None, margin=1.0)
+    merged = slowest_costs([first, other])
+    assert (merged.dense_s, merged.greedy_s) == ((1.0, 1.3), (0.5, 0.9))
+    assert first.plan(2, 0) == "flashhead" and merged.plan(2, 0) == "flashhead"
+    assert StepCosts((1, 2), (1.0, 1.0), (0.5, 0.95), None).plan(2, 0) == "dense"  # with the default margin
