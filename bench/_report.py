@@ -122,6 +122,26 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def paired_rounds(dense: Callable[[], object], served: Callable[[], object], rounds: int, repeats: int) -> dict:
+    """``dense`` then ``served``, each the median of ``repeats`` calls, in each of ``rounds`` rounds: the medians
+    over the rounds of their milliseconds (``dense_ms``, ``ms``) and of the ratios dense / served (``ratio``),
+    with the lowest and highest round's ratio (``min``, ``max``)."""
+    ratios, served_ms, dense_ms = [], [], []
+    for _ in range(rounds):
+        d = median_ms(dense, repeats)
+        s = median_ms(served, repeats)
+        ratios.append(d / s)
+        served_ms.append(s)
+        dense_ms.append(d)
+    return {
+        "dense_ms": statistics.median(dense_ms),
+        "ms": statistics.median(served_ms),
+        "ratio": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+    }
+
+
 def add_head_shape_options(parser: argparse.ArgumentParser) -> None:
     """``--hidden`` and ``--vocab`` of the random head, by default 2,048 x 128,256 (Llama-3.2-1B's head)."""
     parser.add_argument("--hidden", type=int, default=2048)

@@ -16,7 +16,6 @@ timing let run slower than dense: what "never slower than dense" would take to f
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -28,7 +27,7 @@ from bench._report import (
     dense_head,
     int_list,
     machine_description,
-    median_ms,
+    paired_rounds,
     shape_list,
     write_section,
 )
@@ -114,21 +113,7 @@ def bench_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int],
             served()
             plan = _plan_taken(controller, before, batch)
             dense(hidden_states)
-            ratios, served_ms, dense_ms = [], [], []
-            for _ in range(rounds):
-                d = median_ms(dense_step, repeats)
-                s = median_ms(served, repeats)
-                ratios.append(d / s)
-                served_ms.append(s)
-                dense_ms.append(d)
-            line["kinds"][kind] = {
-                "plan": plan,
-                "dense_ms": statistics.median(dense_ms),
-                "ms": statistics.median(served_ms),
-                "ratio": statistics.median(ratios),
-                "min": min(ratios),
-                "max": max(ratios),
-            }
+            line["kinds"][kind] = {"plan": plan, **paired_rounds(dense_step, served, rounds, repeats)}
         rows_out.append(line)
         text = "  ".join(
             f"{k} {v['plan']:<13} {v['ms']:7.2f} ms x{v['ratio']:.2f} ({v['min']:.2f}..{v['max']:.2f})"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -36,7 +35,7 @@ from bench._report import (
     fitted_tail_factors,
     int_list,
     machine_description,
-    median_ms,
+    paired_rounds,
     write_section,
 )
 from bench.head import sampled_mask
@@ -140,21 +139,8 @@ def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
                         served()
                         served_as = _served_as(counters, before, batch)
                         dense()
-                        ratios, served_ms, dense_ms = [], [], []
-                        for _ in range(args.rounds):
-                            d = median_ms(dense, args.repeats)
-                            s = median_ms(served, args.repeats)
-                            ratios.append(d / s)
-                            served_ms.append(s)
-                            dense_ms.append(d)
-                        line["kinds"][kind] = {
-                            "served_as": served_as,
-                            "dense_ms": statistics.median(dense_ms),
-                            "ms": statistics.median(served_ms),
-                            "ratio": statistics.median(ratios),
-                            "min": min(ratios),
-                            "max": max(ratios),
-                        }
+                        timed = paired_rounds(dense, served, args.rounds, args.repeats)
+                        line["kinds"][kind] = {"served_as": served_as, **timed}
                     out["rows"].append(line)
                     if rank == 0:
                         text = "  ".join(
