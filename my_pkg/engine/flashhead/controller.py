@@ -76,7 +76,7 @@ __all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller
 #: Reasons a controller can be unavailable on some ranks of a tensor-parallel model and not others (the
 #: rest come from the configuration or the head's type, the same on every rank): such a rank still
 #: takes part in the stage-1 exchange, so that no other rank waits for it.
-_RANK_LOCAL_CODES = frozenset({"build_failed", "warm_up_failed"})
+RANK_LOCAL_CODES = frozenset({"build_failed", "warm_up_failed"})
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -453,7 +453,7 @@ class FlashHeadController:
         covers both kinds of rows: greedy rows probe `n_probes`, sampled rows `sampled_n_probes`."""
         if not self.settings.enabled or self.num_clusters is None:
             return None
-        if not self.available and self.unavailable_code not in _RANK_LOCAL_CODES:
+        if not self.available and self.unavailable_code not in RANK_LOCAL_CODES:
             return None
         width = self.settings.n_probes
         if self.settings.probe_sampling and self.settings.sampled_n_probes is not None:
@@ -546,8 +546,9 @@ class FlashHeadController:
             return False
 
     def dense_from(self) -> int | None:
-        """The smallest timed batch from which this rank's own timing serves every step dense whatever its rows
-        (`StepCosts.dense_from_every_kind`); None when not timed or FlashHead serves some step of every size."""
+        """The smallest timed batch from which this rank's own timing serves a step of only greedy, only sampled or
+        half sampled rows dense (`StepCosts.dense_from_every_kind`); None when not timed, or when FlashHead serves
+        some such step at the largest timed batch."""
         costs = self.step_costs
         return costs.dense_from_every_kind(check_every=self._checked_every()) if costs is not None else None
 

@@ -87,11 +87,20 @@ def link_drafter(proposer: Any, target_model: Any) -> None:
     refused = refusal(proposer, target, draft, shares_target_head=shares_target_head)
     if refused is None and draft is not None:
         _build(proposer, draft)
-        if not draft.available:
+        if not draft.available and not _failed_on_this_rank_only(proposer, draft):
             refused = ("draft_head_unavailable", draft.unavailable_reason)
     link(target, draft, refused)
     if refused is None:
         proposer.__dict__[DRAFT_ATTR] = draft
+
+
+def _failed_on_this_rank_only(proposer: Any, draft: FlashHeadController) -> bool:
+    """Whether the drafter's head is vocab-parallel and failed for a reason of this rank alone (its build or warm-up):
+    then the drafter stays linked, so that this rank is armed for every draft step as the other ranks are and takes
+    part in each stage-1 exchange, serving its own shard dense (`FlashHeadController.exchange_width`)."""
+    from my_pkg.engine.flashhead.controller import RANK_LOCAL_CODES
+
+    return draft.unavailable_code in RANK_LOCAL_CODES and getattr(_lm_head(proposer.model), "tp_size", 1) > 1
 
 
 def _shares_target_head(proposer: Any, target_model: Any) -> bool:

@@ -222,6 +222,29 @@ def test_a_failing_draft_head_serves_dense_and_is_counted(setup, monkeypatch):
     assert counters.fallbacks == 1 and counters.rows_dense_draft == 3 and counters.rows_flashhead_draft == 0
 
 
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_draft_head_that_failed_to_build_on_one_rank_stays_linked_under_tensor_parallelism(
+    setup, monkeypatch, tp_size
+):
+    """Alone, a drafter whose head failed to build is refused (dense, with its reason); under tensor parallelism
+    it stays linked, so that this rank is armed for every draft step and takes part in the drafter's stage-1
+    exchange as the ranks whose head was built do, serving its own shard dense."""
+    from my_pkg.engine.patches import spec_proposer
+
+    def build_fails(proposer, draft):
+        draft.make_unavailable("build_failed", "FlashHead could not be built: no room on this device")
+
+    monkeypatch.setattr(spec_proposer, "_build", build_fails)
+    monkeypatch.setattr(setup.proposer.model.lm_head, "tp_size", tp_size, raising=False)
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+    linked = setup.proposer.__dict__.get(spec_proposer.DRAFT_ATTR)
+    if tp_size == 1:
+        assert linked is None and setup.target.status().spec.draft.reason_code == "draft_head_unavailable"
+    else:
+        assert linked is setup.draft and setup.target.draft is setup.draft
+        assert setup.draft.exchange_width(4) is not None  # it still exchanges, as the other ranks do
+
+
 def test_a_draft_model_without_assets_stays_dense_with_its_reason(setup):
     from my_pkg.engine.patches import spec_proposer
 
