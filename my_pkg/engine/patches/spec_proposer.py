@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from my_pkg.engine.flashhead.controller import FlashHeadController
+from my_pkg.engine.flashhead.controller import RANK_LOCAL_CODES, FlashHeadController
 from my_pkg.engine.patches.runner_hooks import WRAPPED, controller_in, lm_head_of, require, run_armed, warn_once
 from my_pkg.engine.vllm_uses import attributes, symbol
 
@@ -98,9 +98,8 @@ def _failed_on_this_rank_only(proposer: Any, draft: FlashHeadController) -> bool
     """Whether the drafter's head is vocab-parallel and failed for a reason of this rank alone (its build or warm-up):
     then the drafter stays linked, so that this rank is armed for every draft step as the other ranks are and takes
     part in each stage-1 exchange, serving its own shard dense (`FlashHeadController.exchange_width`)."""
-    from my_pkg.engine.flashhead.controller import RANK_LOCAL_CODES
-
-    return draft.unavailable_code in RANK_LOCAL_CODES and getattr(_lm_head(proposer.model), "tp_size", 1) > 1
+    head = _lm_head(getattr(proposer, "model", None))
+    return draft.unavailable_code in RANK_LOCAL_CODES and getattr(head, "tp_size", 1) > 1
 
 
 def _shares_target_head(proposer: Any, target_model: Any) -> bool:
