@@ -39,20 +39,18 @@ from bench._report import (
     write_section,
 )
 from bench.head import sampled_mask
-from bench.served_step import KINDS
+from bench.served_step import KINDS, _plan_taken
 from bench.tp_head import _free_port
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 WORLD = 2
 
 
-def _served_as(counters: Any, before: tuple[int, int, int], batch: int) -> str:
-    """How this rank served the step it just served, from its counters: FlashHead (as asked), its sampled rows
-    dense, or dense; `+x` when the step exchanged its best clusters."""
-    served = counters.rows_flashhead - before[0]
-    moved = counters.rows_dense["slower_than_dense"] - before[1]
-    plan = "flashhead" if served == batch else "dense" if moved == batch else "sampled_dense"
-    return plan + ("+x" if counters.stage1_exchanges > before[2] else "")
+def _served_as(controller: Any, before: tuple[int, int, int], batch: int) -> str:
+    """How this rank served the step it just served (`served_step._plan_taken`), with `+x` when the step exchanged
+    its best clusters; `before`: the counters' FlashHead rows, slower-than-dense rows and exchanges before it."""
+    exchanged = controller.counters.stage1_exchanges > before[2]
+    return _plan_taken(controller, before[:2], batch) + ("+x" if exchanged else "")
 
 
 def _rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
@@ -137,7 +135,7 @@ def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
                             counters.stage1_exchanges,
                         )
                         served()
-                        served_as = _served_as(counters, before, batch)
+                        served_as = _served_as(controller, before, batch)
                         dense()
                         timed = paired_rounds(dense, served, args.rounds, args.repeats)
                         line["kinds"][kind] = {"served_as": served_as, **timed}

@@ -625,6 +625,22 @@ def test_a_failing_dense_product_is_not_timed(weight, monkeypatch, caplog):
     assert "could not time its steps" in caplog.text
 
 
+def test_the_status_reports_from_which_batch_every_kind_of_step_goes_dense(controller):
+    # Sampled rows pay at one row only, greedy ones to 4 rows; at 8 rows a mixed step served split (its 4 greedy rows
+    # on FlashHead, 3, its 4 sampled ones dense, 4) costs 7 against 5 all dense: from 8 rows every kind goes dense.
+    # Alone (no tensor parallelism) nothing is agreed.
+    controller.step_costs = StepCosts(
+        batches=(1, 2, 4, 8),
+        dense_s=(4.0, 4.0, 4.0, 5.0),
+        greedy_s=(1.0, 2.0, 3.0, 9.0),
+        sampled_s=(2.0, 5.0, 10.0, 20.0),
+        margin=1.0,
+    )
+    report = controller.status().step_costs
+    assert (report.dense_from_greedy, report.dense_from_sampled, report.dense_from) == (8, 2, 8)
+    assert controller.dense_from() == 8 and report.dense_from_agreed is None
+
+
 def test_steps_the_measurement_predicts_faster_on_the_dense_head_are_served_dense(controller, weight):
     # Greedy rows pay up to 4 rows, sampled rows up to 1 (as on a CPU with a packed dense GEMM).
     controller.step_costs = StepCosts(
