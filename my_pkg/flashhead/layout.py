@@ -1,24 +1,26 @@
-"""How stage 1's centroids are stored: hidden-major on CPU in float32.
+"""How FlashHead stores the matrices it multiplies whole every step, and how it multiplies them.
 
-Stage 1 multiplies a decode step's few hidden rows by the ``[C, H]`` centroids (``F.linear``).  At one
-or two rows that streams the whole matrix once per step, and on CPU in float32 torch streamed it
-faster when the centroids are stored hidden-major (the transposed view of a contiguous ``[H, C]``):
-0.52–0.90 of the row-major time at one row on the 2-core CPU of ``docs/benchmarks.md`` (8,016 x 2,048
-and 16,384 x 640 centroids, one and two threads), and within 0.88–1.17 of it from 8 rows on.  ``F.linear`` takes
-either layout; only the stored one changes, not the values.  bfloat16 and the GPU keep row-major
-centroids (the CPU's bfloat16 kernel was faster row-major).  ``python -m bench.centroid_layout``
-measures both on the machine at hand.
+Stage 1 multiplies a decode step's few hidden rows by the ``[C, H]`` centroids, and a sampled row's estimate
+multiplies its rank-``r`` projection by the ``[V, r]`` table of :class:`~my_pkg.flashhead.tail_estimate.TailTables`
+(``F.linear`` both).  At one or two rows that streams the whole matrix once per step, and on CPU in float32 torch
+streamed it faster when the matrix is stored hidden-major (the transposed view of a contiguous ``[H, C]`` or
+``[r, V]``): 0.52–0.90 of the row-major time for the centroids at one row on the 2-core CPU of
+``docs/benchmarks.md`` (8,016 x 2,048 and 16,384 x 640, one and two threads), 0.50–0.64 for the estimate's table
+(128,256 x 64 and 262,144 x 64), and within 0.88–1.17 of it from 8 rows on.  ``F.linear`` takes either layout;
+only the stored one changes, not the values.  bfloat16 and the GPU keep them row-major (the CPU's bfloat16 kernel
+was faster row-major), and one bfloat16 row on CPU is multiplied by ``torch.mv`` (:func:`linear`).
+``python -m bench.centroid_layout`` and ``python -m bench.one_row`` measure both on the machine at hand.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["hidden_major", "prefers_hidden_major"]
+__all__ = ["hidden_major", "linear", "prefers_hidden_major", "prefers_vector_product"]
 
 
 def prefers_hidden_major(matrix: torch.Tensor) -> bool:
-    """Whether stage 1 stores ``matrix`` hidden-major: on CPU in float32."""
+    """Whether FlashHead stores ``matrix`` hidden-major: on CPU in float32."""
     return matrix.device.type == "cpu" and matrix.dtype == torch.float32
 
 
@@ -32,3 +34,18 @@ def hidden_major(matrix: torch.Tensor) -> torch.Tensor:
     if matrix.stride(0) == 1 and matrix.stride(1) >= matrix.shape[0]:
         return matrix
     return matrix.t().contiguous().t()
+
+
+def prefers_vector_product(matrix: torch.Tensor) -> bool:
+    """Whether one row is multiplied by ``matrix`` with ``torch.mv``: a row-major bfloat16 matrix on CPU, where
+    the matrix-vector kernel gave ``F.linear``'s values bit for bit at 0.59–0.67 of its time (one thread; float16's
+    was slower, float32's no faster; ``python -m bench.one_row``)."""
+    return matrix.device.type == "cpu" and matrix.dtype == torch.bfloat16 and matrix.is_contiguous()
+
+
+def linear(hidden: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` ``hidden @ matrix.T`` for ``hidden`` ``[B, K]`` in ``matrix``'s dtype and ``matrix`` ``[N, K]``
+    in either layout: ``F.linear``, but ``torch.mv`` for one row where :func:`prefers_vector_product`."""
+    if hidden.shape[0] == 1 and prefers_vector_product(matrix):
+        return torch.mv(matrix, hidden[0]).unsqueeze(0)
+    return torch.nn.functional.linear(hidden, matrix)

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from .layout import hidden_major
+from .layout import hidden_major, linear
 
 __all__ = [
     "NO_KEY",
@@ -121,7 +121,7 @@ class ShardStage1:
     def keys(self, hidden: torch.Tensor, width: int) -> torch.Tensor:
         """``[B, width]`` this share's best keys for the exchange, best first; :data:`NO_KEY` after its
         last cluster when the share holds fewer than ``width``."""
-        scores = torch.nn.functional.linear(hidden.to(self.centroids.dtype), self.centroids)
+        scores = linear(hidden.to(self.centroids.dtype), self.centroids)
         return self._fit(_top(cluster_keys(scores, self.start), min(width, scores.shape[1])), width)
 
     def unscored_keys(self, num_rows: int, width: int) -> torch.Tensor:

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .layout import hidden_major, linear
+
 __all__ = [
     "TailFactors",
     "TailTables",
@@ -96,7 +98,8 @@ class TailFactors:
 @dataclass
 class TailTables:
     """``basis`` ``[H, r]`` (the left factor) and ``projected`` ``[V, r]`` ``= W[:V] @ right``, in the head's
-    device and dtype."""
+    device and dtype; ``projected`` is multiplied whole by every sampled step, and stored as stage 1's centroids
+    are (hidden-major on CPU in float32, :mod:`~my_pkg.flashhead.layout`)."""
 
     basis: torch.Tensor
     projected: torch.Tensor
@@ -110,7 +113,7 @@ class TailTables:
         right = factors.right.to(head.device, torch.float32)
         projected = torch.cat([head[s:e].float() @ right for s, e in _row_chunks(head.shape[0])])
         basis = factors.left.to(head.device, weight.dtype)
-        return cls(basis.contiguous(), projected.to(weight.dtype).contiguous())
+        return cls(basis.contiguous(), hidden_major(projected.to(weight.dtype)))
 
     @property
     def rank(self) -> int:
@@ -122,7 +125,7 @@ class TailTables:
 
     def estimates(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, V]`` estimated logits of every token for ``hidden`` ``[B, H]``."""
-        return (hidden.to(self.basis.dtype) @ self.basis) @ self.projected.t()
+        return linear(hidden.to(self.basis.dtype) @ self.basis, self.projected)
 
 
 def top_k_ids(values: torch.Tensor, k: int) -> torch.Tensor:

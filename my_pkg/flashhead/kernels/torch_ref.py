@@ -35,6 +35,8 @@ import warnings
 
 import torch
 
+from ..layout import linear
+
 __all__ = ["stage1_scores", "candidate_ids", "candidate_logits", "token_logits"]
 
 _SPARSE_OK: dict[torch.dtype, bool] = {}
@@ -66,7 +68,7 @@ _GROUPED_MIN_ROWS = 8
 
 def stage1_scores(hidden: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """``[B, C]`` centroid scores ``hidden @ centroids.T`` (in the centroids' dtype)."""
-    return torch.nn.functional.linear(hidden.to(centroids.dtype), centroids)
+    return linear(hidden.to(centroids.dtype), centroids)
 
 
 def candidate_ids(members: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
