@@ -11,7 +11,9 @@ matrices).  This measures, in one run, at ``--batches`` rows:
   swapped for its row-major copy and ``torch.mv`` switched off, the same head otherwise;
 
 beside the dense head (vLLM's CPU GEMM when vLLM is installed, else ``F.linear``).  In each of ``--rounds`` rounds
-every call is the median of ``--repeats`` calls, the order of before and after alternating; the table gives
+every call is the median of ``--repeats`` calls, each after writing ``--cold-mb`` MiB elsewhere (untimed), as a
+model's layers evict the head's matrices from the cache between two steps (0: warm calls), the order of before
+and after alternating; the table gives
 the median over the rounds and after / before (below 1: faster now).  Random head, random balanced clusters,
 the builder's default probes, a fitted sampled-row estimate.
 
@@ -25,6 +27,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from unittest import mock
 
@@ -92,8 +95,24 @@ def _calls(
     }
 
 
-def run_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int], rounds: int, repeats: int) -> dict:
+def cold_median_ms(call: Callable[[], object], repeats: int, evict: torch.Tensor | None) -> float:
+    """Median wall-clock milliseconds of ``repeats`` calls, each after ``evict`` is written (untimed; None: warm)."""
+    if evict is None:
+        return median_ms(call, repeats)
+    times = []
+    for _ in range(repeats):
+        evict.add_(1.0)
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_shape(
+    vocab: int, hidden: int, dtype: torch.dtype, batches: list[int], rounds: int, repeats: int, cold_mb: int = 0
+) -> dict:
     """Per batch, the median ms of every ``"<part> <way>"`` call and of ``"dense"``."""
+    evict = torch.zeros(cold_mb << 18) if cold_mb > 0 else None  # float32: 2**18 elements a MiB
     head = _head(vocab, hidden, dtype)
     dense, _ = dense_head(head.weight)
     pins = torch.arange(vocab - 3, vocab)
@@ -107,12 +126,12 @@ def run_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int], r
 
         times: dict[str, list[float]] = {"dense": []}
         for rnd in range(rounds):
-            times["dense"].append(median_ms(lambda x=x: dense(x), repeats))
+            times["dense"].append(cold_median_ms(lambda x=x: dense(x), repeats, evict))
             for way in WAYS if rnd % 2 == 0 else WAYS[::-1]:
                 with before_this_change(head) if way == "before" else contextlib.nullcontext():
                     for part, call in _calls(head, way, x, projected, row_major_table, pins).items():
                         call()  # warm: the first call of a layout pays its page faults
-                        times.setdefault(f"{part} {way}", []).append(median_ms(call, repeats))
+                        times.setdefault(f"{part} {way}", []).append(cold_median_ms(call, repeats, evict))
         ms = {name: statistics.median(values) for name, values in times.items()}
         results.append({"batch": batch, **ms})
         line = "  ".join(f"{part} {ms[f'{part} before']:.2f}->{ms[f'{part} served']:.2f}" for part in PARTS)
@@ -120,7 +139,7 @@ def run_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int], r
     return {"vocab": vocab, "hidden": hidden, "dtype": str(dtype)[6:], "rows": results}
 
 
-def to_markdown(shapes: list[dict], rounds: int, threads: int) -> str:
+def to_markdown(shapes: list[dict], rounds: int, threads: int, cold_mb: int = 0) -> str:
     lines = [
         "### One-row products: the estimate's table hidden-major, bfloat16 rows by `torch.mv` (cpu)",
         "",
@@ -128,7 +147,9 @@ def to_markdown(shapes: list[dict], rounds: int, threads: int) -> str:
         "",
         f"Command: `{command_line()}`",
         "",
-        f"Milliseconds, median of {rounds} paired rounds, {threads} thread(s); before / as served (after ÷ before), "
+        f"Milliseconds, median of {rounds} paired rounds, {threads} thread(s), "
+        + (f"{cold_mb} MiB written before each call; " if cold_mb else "warm calls; ")
+        + "before / as served (after ÷ before), "
         "and the steps' speed-up over the dense head (dense ÷ step) before → as served.",
         "",
         "| shape | dtype | batch | dense | stage 1 | estimate | greedy step | sampled step "
@@ -159,16 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", type=shape_list, default=[(262144, 640), (128256, 2048)], help="VOCABxHIDDEN,...")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="float32, bfloat16 or both")
     ap.add_argument("--batches", type=int_list, default=[1, 2, 8])
+    ap.add_argument("--cold-mb", type=int, default=64, help="MiB written before each call (0: warm calls)")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = timing_args(ap, argv)
     dtypes = [getattr(torch, name.strip()) for name in args.dtypes.split(",") if name.strip()]
     with torch.inference_mode():
         shapes = [
-            run_shape(vocab, hidden, dtype, args.batches, args.rounds, args.repeats)
+            run_shape(vocab, hidden, dtype, args.batches, args.rounds, args.repeats, args.cold_mb)
             for dtype in dtypes
             for vocab, hidden in args.shapes
         ]
-    markdown = to_markdown(shapes, args.rounds, torch.get_num_threads())
+    markdown = to_markdown(shapes, args.rounds, torch.get_num_threads(), args.cold_mb)
     print(markdown)
     if not args.no_write:
         print(f"wrote {write_section('one-row', markdown)}")

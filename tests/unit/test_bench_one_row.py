@@ -10,15 +10,23 @@ from bench import one_row
 from my_pkg.flashhead import layout
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_part_is_timed_before_and_as_served(dtype):
-    result = one_row.run_shape(2048, 32, dtype, [1, 2], rounds=2, repeats=1)
+@pytest.mark.parametrize("dtype, cold_mb", [(torch.float32, 1), (torch.bfloat16, 0)])
+def test_every_part_is_timed_before_and_as_served(dtype, cold_mb):
+    result = one_row.run_shape(2048, 32, dtype, [1, 2], rounds=2, repeats=1, cold_mb=cold_mb)
     assert [row["batch"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert row["dense"] > 0
         assert all(row[f"{part} {way}"] > 0 for part in one_row.PARTS for way in one_row.WAYS)
-    markdown = one_row.to_markdown([result], rounds=2, threads=1)
+    markdown = one_row.to_markdown([result], rounds=2, threads=1, cold_mb=cold_mb)
     assert markdown.count("| 2,048 × 32 |") == 2
+    assert ("1 MiB written before each call" in markdown) == bool(cold_mb)
+
+
+def test_a_cold_call_writes_the_eviction_buffer_before_each_call_outside_the_timing():
+    evict = torch.zeros(8)
+    seen = []
+    ms = one_row.cold_median_ms(lambda: seen.append(float(evict[0])), 3, evict)
+    assert seen == [1.0, 2.0, 3.0] and ms >= 0
 
 
 def test_before_this_change_is_undone_even_when_the_block_fails():
