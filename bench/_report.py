@@ -112,10 +112,13 @@ def shape_list(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall-clock milliseconds of `repeats` calls of `fn`."""
+def median_ms(fn: Callable[[], object], repeats: int, evict=None) -> float:
+    """Median wall-clock milliseconds of `repeats` calls of `fn`; with `evict` (a tensor), each call after writing
+    it, untimed, as a model's layers evict the head's matrices from the cache between two steps."""
     times = []
     for _ in range(repeats):
+        if evict is not None:
+            evict.add_(1.0)
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)

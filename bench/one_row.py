@@ -13,9 +13,8 @@ matrices).  This measures, in one run, at ``--batches`` rows:
 beside the dense head (vLLM's CPU GEMM when vLLM is installed, else ``F.linear``).  In each of ``--rounds`` rounds
 every call is the median of ``--repeats`` calls, each after writing ``--cold-mb`` MiB elsewhere (untimed), as a
 model's layers evict the head's matrices from the cache between two steps (0: warm calls), the order of before
-and after alternating; the table gives
-the median over the rounds and after / before (below 1: faster now).  Random head, random balanced clusters,
-the builder's default probes, a fitted sampled-row estimate.
+and after alternating; the table gives the median over the rounds and after / before (below 1: faster now).
+Random head, random balanced clusters, the builder's default probes, a fitted sampled-row estimate.
 
     python -m bench.one_row --threads 1                  # float32 and bfloat16, both shapes
     python -m bench.one_row --dtypes bfloat16 --batches 1 --threads 1 --no-write
@@ -27,7 +26,6 @@ import argparse
 import contextlib
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from unittest import mock
 
@@ -53,11 +51,12 @@ PARTS = ("stage 1", "estimate", "greedy", "sampled")
 
 
 @contextlib.contextmanager
-def before_this_change(head: FlashHead) -> Iterator[None]:
-    """``head`` as it multiplied before: its estimate table row-major and no ``torch.mv``."""
+def before_this_change(head: FlashHead, row_major_table: torch.Tensor) -> Iterator[None]:
+    """``head`` as it multiplied before: its estimate table ``row_major_table`` (the stored one's values) and no
+    ``torch.mv``."""
     tables = head._tail_tables()
     stored = tables.projected
-    tables.projected = stored.contiguous()
+    tables.projected = row_major_table
     try:
         with mock.patch.object(layout, "prefers_vector_product", lambda matrix: False):
             yield
@@ -95,19 +94,6 @@ def _calls(
     }
 
 
-def cold_median_ms(call: Callable[[], object], repeats: int, evict: torch.Tensor | None) -> float:
-    """Median wall-clock milliseconds of ``repeats`` calls, each after ``evict`` is written (untimed; None: warm)."""
-    if evict is None:
-        return median_ms(call, repeats)
-    times = []
-    for _ in range(repeats):
-        evict.add_(1.0)
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def run_shape(
     vocab: int, hidden: int, dtype: torch.dtype, batches: list[int], rounds: int, repeats: int, cold_mb: int = 0
 ) -> dict:
@@ -126,12 +112,12 @@ def run_shape(
 
         times: dict[str, list[float]] = {"dense": []}
         for rnd in range(rounds):
-            times["dense"].append(cold_median_ms(lambda x=x: dense(x), repeats, evict))
+            times["dense"].append(median_ms(lambda x=x: dense(x), repeats, evict))
             for way in WAYS if rnd % 2 == 0 else WAYS[::-1]:
-                with before_this_change(head) if way == "before" else contextlib.nullcontext():
+                with before_this_change(head, row_major_table) if way == "before" else contextlib.nullcontext():
                     for part, call in _calls(head, way, x, projected, row_major_table, pins).items():
                         call()  # warm: the first call of a layout pays its page faults
-                        times.setdefault(f"{part} {way}", []).append(cold_median_ms(call, repeats, evict))
+                        times.setdefault(f"{part} {way}", []).append(median_ms(call, repeats, evict))
         ms = {name: statistics.median(values) for name, values in times.items()}
         results.append({"batch": batch, **ms})
         line = "  ".join(f"{part} {ms[f'{part} before']:.2f}->{ms[f'{part} served']:.2f}" for part in PARTS)

@@ -40,8 +40,9 @@ def hidden_major(matrix: torch.Tensor) -> torch.Tensor:
 
 def prefers_vector_product(matrix: torch.Tensor) -> bool:
     """Whether one row is multiplied by ``matrix`` with ``torch.mv``: a row-major bfloat16 matrix on CPU, where
-    the matrix-vector kernel gave ``F.linear``'s values bit for bit at 0.59–0.67 of its time (one thread; float16's
-    was slower, float32's no faster; ``python -m bench.one_row``)."""
+    the matrix-vector kernel gave ``F.linear``'s values bit for bit at 0.58–0.64 of its time for stage 1 and 0.70–0.87
+    for the estimate (one thread, cache evicted; float16's was slower, float32's no faster; ``python -m bench.one_row
+    --batches 1 --cold-mb 64``)."""
     return matrix.device.type == "cpu" and matrix.dtype == torch.bfloat16 and matrix.is_contiguous()
 
 

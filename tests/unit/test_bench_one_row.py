@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import one_row
+from bench._report import median_ms
 from my_pkg.flashhead import layout
 
 
@@ -25,7 +26,7 @@ def test_every_part_is_timed_before_and_as_served(dtype, cold_mb):
 def test_a_cold_call_writes_the_eviction_buffer_before_each_call_outside_the_timing():
     evict = torch.zeros(8)
     seen = []
-    ms = one_row.cold_median_ms(lambda: seen.append(float(evict[0])), 3, evict)
+    ms = median_ms(lambda: seen.append(float(evict[0])), 3, evict)
     assert seen == [1.0, 2.0, 3.0] and ms >= 0
 
 
@@ -33,7 +34,7 @@ def test_before_this_change_is_undone_even_when_the_block_fails():
     head = one_row._head(2048, 32, torch.float32)
     stored = head._tail_tables().projected
     assert not stored.is_contiguous()  # hidden-major as served
-    with pytest.raises(RuntimeError), one_row.before_this_change(head):
+    with pytest.raises(RuntimeError), one_row.before_this_change(head, stored.contiguous()):
         assert head._tail_tables().projected.is_contiguous()
         assert not layout.prefers_vector_product(torch.zeros(4, 4, dtype=torch.bfloat16))
         raise RuntimeError("inside")
