@@ -160,6 +160,7 @@ ReasonCode = Literal[
     "build_failed",
     "quantized_head",
     "warm_up_failed",
+    "tensor_parallel_rank",
     "pipeline_parallel",
     "speculative_decoding",
     "lora",
@@ -177,6 +178,7 @@ REASON_CODES: Final[dict[str, str]] = {
     "build_failed": "the head could not be built over the LM head vLLM loaded",
     "quantized_head": "the LM head is quantized",
     "warm_up_failed": "the head failed its warm-up step",
+    "tensor_parallel_rank": "another tensor-parallel rank cannot serve FlashHead (agreed when the model loads)",
     "pipeline_parallel": "pipeline parallel size > 1",
     "speculative_decoding": "no longer reported: under speculative decoding, `spec` gives each part's own code",
     "lora": "LoRA is on (adapters change the logits)",
@@ -230,9 +232,6 @@ class SpecState(WorkerReply):
 
     method: str | None = None
     num_speculative_tokens: int | None = None
-    pin_drafts: bool = Field(
-        default=False, description="Sampled verify rows score their draft token exactly (greedy or n-gram drafts)."
-    )
     verify: SpecPart
     draft: SpecPart
     draft_n_probes: int | None = Field(
@@ -266,7 +265,6 @@ class DenseReason(IntEnum):
 #: Why a whole step (or a wrapper's call) is served dense, whatever its requests asked for.
 StepDenseReason = Literal[
     "batch_threshold",
-    "slower_than_dense",
     "disabled",
     "unavailable",
     "error",
@@ -289,7 +287,6 @@ DenseRowReason = Literal[
     "opt_out",
     "penalized_greedy",
     "batch_threshold",
-    "slower_than_dense",
     "disabled",
     "unavailable",
     "error",
@@ -312,7 +309,6 @@ DENSE_ROW_REASONS: Final[dict[str, str]] = {
     "opt_out": 'the request opted out (`"vllm_xargs": {"flashhead": false}`)',
     "penalized_greedy": "a greedy request with a repetition, frequency or presence penalty",
     "batch_threshold": "the step had more rows than `dense_batch_threshold`",
-    "slower_than_dense": "the step's rows are served faster by the dense head on this machine (see `step_costs`)",
     "disabled": "FlashHead is turned off",
     "unavailable": "FlashHead is not available on this model (see `reason_code`)",
     "error": "FlashHead raised during the step; the dense head answered",
@@ -327,7 +323,15 @@ class FlashHeadCounters(WorkerReply):
     """Counters since the worker started; they only grow."""
 
     steps: int = 0
-    rows_flashhead: int = 0
+    rows_flashhead: int = Field(
+        default=0,
+        description="Rows given FlashHead's answer, by FlashHead's kernels or by the dense product masked to it.",
+    )
+    rows_flashhead_masked: int = Field(
+        default=0,
+        description="Of `rows_flashhead`: rows whose FlashHead answer was made from the dense product (the cheaper "
+        "way for their step, `step_costs`).",
+    )
     rows_dense: dict[str, int] = Field(
         default_factory=dict, description="Rows served dense, by reason (a `DenseRowReason`, see `DENSE_ROW_REASONS`)."
     )
@@ -337,9 +341,6 @@ class FlashHeadCounters(WorkerReply):
     fidelity_agreed: int = 0
     rows_flashhead_verify: int = Field(
         default=0, description="Of `rows_flashhead`: speculative-decoding verify rows (bonus rows not included)."
-    )
-    rows_flashhead_verify_pinned: int = Field(
-        default=0, description="Of `rows_flashhead_verify`: sampled verify rows whose draft token was scored exactly."
     )
     rows_flashhead_draft: int = Field(
         default=0,
@@ -351,19 +352,45 @@ class FlashHeadCounters(WorkerReply):
     stage1_exchanges: int = Field(
         default=0,
         description="Under tensor parallelism: decode steps on which this rank exchanged its best clusters with the "
-        "other ranks (the same count on every rank; steps of `step_costs.dense_from_agreed` rows or more, or above "
-        "`dense_batch_threshold`, exchange nothing).",
+        "other ranks (the same count on every rank; steps above `dense_batch_threshold` exchange nothing).",
     )
 
 
 SampledEstimate = Literal["fitted", "weight_only", "off"]
 
 
-class StepCostsReport(WorkerReply):
-    """A decode step's cost on the dense head and on FlashHead, measured on this worker when its head was built
-    (`FlashHeadState.step_costs`): a step the measurement predicts no faster on FlashHead goes dense."""
+class RecentRows(WorkerReply):
+    """The rows of the last decode steps (at most 256): a share over a window, where the counters only grow."""
 
-    batches: list[int] = Field(description="Rows per step at which the three sides were timed.")
+    steps: int = 0
+    rows_flashhead_greedy: int = 0
+    rows_flashhead_sampled: int = 0
+    rows_flashhead_masked: int = Field(
+        default=0, description="Of the FlashHead rows, those made from the dense product (the masked way)."
+    )
+    rows_dense: int = Field(default=0, description="Rows that needed the dense head (see `counters.rows_dense`).")
+    flashhead_share: float | None = Field(
+        default=None, description="Of those steps' rows, the share given FlashHead's answer; null: no step yet."
+    )
+
+
+class ServedWay(WorkerReply):
+    """How served steps of one batch bucket and kind are served now, and what each way cost them."""
+
+    rows: str = Field(description="The bucket of rows per step, e.g. `5-8`.")
+    kind: Literal["greedy", "sampled", "mixed"]
+    way: Literal["flashhead", "masked"]
+    flashhead_ms: float | None = None
+    masked_ms: float | None = None
+    steps: int = 0
+
+
+class StepCostsReport(WorkerReply):
+    """A decode step's cost on the dense head, on FlashHead's kernels and the masked way (the dense product masked
+    to FlashHead's answer), measured on this worker when its head was built (`FlashHeadState.step_costs`). Both
+    ways give every row the same answer; a step takes the masked way only when it is predicted cheaper."""
+
+    batches: list[int] = Field(description="Rows per step at which the sides were timed.")
     dense_ms: list[float] = Field(
         description="Fastest of a few runs, in milliseconds, of vLLM's dense head at each batch."
     )
@@ -380,23 +407,29 @@ class StepCostsReport(WorkerReply):
         description="Fastest of a few runs, in milliseconds, of FlashHead with every other row sampled (null at one "
         "row); null without probe sampling.",
     )
-    dense_from_greedy: int | None = Field(
-        default=None, description="Smallest timed batch at which a step of greedy rows goes dense; null: none."
-    )
-    dense_from_sampled: int | None = Field(
-        default=None, description="Smallest timed batch at which a step of sampled rows goes dense; null: none."
-    )
-    dense_from: int | None = Field(
+    masked_greedy_ms: list[float] | None = Field(
         default=None,
-        description="Smallest timed batch from which a step of only greedy, only sampled or half sampled rows "
-        "goes dense, at it and every larger timed batch; null: none.",
+        description="Fastest of a few runs, in milliseconds, of the masked way with every row greedy; null: not timed.",
     )
-    dense_from_agreed: int | None = Field(
+    masked_sampled_ms: list[float] | None = Field(
         default=None,
-        description="Under tensor parallelism: `dense_from` of the ranks' agreed timing (each side's slowest rank at "
-        "each batch), read at the first stage-1 exchange; every rank plans its steps from that timing, and steps "
-        "of this many rows or more skip the exchange and go dense on every rank. Null: none agreed (no exchange "
-        "yet, or some rank has no timing) or every batch has some step FlashHead serves.",
+        description="Fastest of a few runs, in milliseconds, of the masked way with every row sampled; null: not "
+        "timed.",
+    )
+    masked_from_greedy: int | None = Field(
+        default=None,
+        description="Smallest timed batch at which the start-up timing sends a step of greedy rows the masked way; "
+        "null: none.",
+    )
+    masked_from_sampled: int | None = Field(
+        default=None,
+        description="Smallest timed batch at which the start-up timing sends a step of sampled rows the masked way; "
+        "null: none.",
+    )
+    served: list[ServedWay] = Field(
+        default_factory=list,
+        description="Served steps' own timings, which correct the start-up timing: per batch bucket and kind of "
+        "step, the way it takes now and the running mean milliseconds of each way.",
     )
 
 
@@ -432,11 +465,12 @@ class FlashHeadState(WorkerReply):
     extra_memory_bytes: int | None = None
     step_costs: StepCostsReport | None = Field(
         default=None,
-        description="Where the dense head is faster on this worker, timed when the head was built; null when not "
-        "timed (`MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set, `VLLM_BATCH_INVARIANT=1`, a GPU head, tensor "
-        "parallelism, or no head).",
+        description="What a step costs each way on this worker, timed when the head was built, and the served steps' "
+        "corrections; null when not timed (`MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set, `VLLM_BATCH_INVARIANT=1`, "
+        "a GPU head, or no head): FlashHead's kernels then serve every step.",
     )
     counters: FlashHeadCounters = Field(default_factory=FlashHeadCounters)
+    recent: RecentRows = Field(default_factory=RecentRows, description="The rows of the last decode steps.")
     spec: SpecState | None = Field(default=None, description="Speculative decoding's parts; null when it is off.")
 
 
@@ -467,26 +501,61 @@ class ValidationReply(RankedReply):
 
 # ---- versioned updates: a lease per worker, taken in ascending dp rank, then a commit ------------------
 
+#: The longest lease a worker grants (seconds): a caller cannot wedge updates for longer than this.
+MAX_LEASE_S: Final = 600.0
+#: The highest settings version a worker takes (15 digits, what `If-Match` accepts).
+MAX_SETTINGS_VERSION: Final = 10**15 - 1
+#: Transaction ids: what the API server makes (uuid4 hex), or any short token of these characters.
+TRANSACTION_ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,64}$"
+
+SettingsVersion = Annotated[StrictInt, Field(ge=0, le=MAX_SETTINGS_VERSION)]
+
 
 class Transaction(BaseModel):
-    """Who runs an update and under which lease; sent with every phase of it."""
+    """Who runs an update and under which lease; sent with every phase of it. Checked by every worker method
+    that takes it (bounded lease, bounded version, nothing undeclared)."""
 
-    id: str = Field(description="Unique per update; names the lease and the audit entry.")
-    holder: str = Field(description="The API server running it (host, pid, API-server index).")
-    lease_s: float = Field(gt=0, description="The lease lapses this many seconds after it was taken.")
-    expected_version: int | None = Field(
-        default=None, description="Compare-and-set: refuse unless the worker's version is this one (If-Match)."
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=TRANSACTION_ID_PATTERN, description="Unique per update; names the lease and the audit.")
+    holder: str = Field(max_length=200, description="The API server running it (host, pid, API-server index).")
+    lease_s: float = Field(
+        gt=0, le=MAX_LEASE_S, description="The lease lapses this many seconds after it was taken (at most 600)."
     )
-    new_version: int | None = Field(default=None, description="The version the commit sets (max seen + 1).")
+    expected_version: SettingsVersion | None = Field(
+        default=None, description="Compare-and-set: refuse unless the worker's version is this one."
+    )
+    new_version: SettingsVersion | None = Field(
+        default=None,
+        description="The version the commit sets: above the worker's (a worker refuses a non-increasing one).",
+    )
 
 
 class SettingsValues(BaseModel):
-    """The settings an update can change, as one worker had them."""
+    """The settings an update can change, as one worker has them."""
 
     enabled: bool | None = None
     n_probes: int | None = None
     dense_batch_threshold: int | None = None
     draft_n_probes: int | None = None
+
+    @classmethod
+    def of_state(cls, state: FlashHeadState) -> SettingsValues:
+        """The settings a worker's FlashHead status shows."""
+        return cls(
+            enabled=state.enabled,
+            n_probes=state.n_probes,
+            dense_batch_threshold=state.dense_batch_threshold,
+            draft_n_probes=state.spec.draft_n_probes if state.spec is not None else None,
+        )
+
+    def whole(self, update: dict[str, Any] | None = None) -> dict[str, Any]:
+        """These settings with `update` over them, as a whole update: every field a worker can take (`null`
+        only for `dense_batch_threshold`, where it is a value)."""
+        merged = {**self.model_dump(), **(update or {})}
+        return {
+            k: v for k, v in merged.items() if k in UPDATE_FIELDS and (v is not None or k == "dense_batch_threshold")
+        }
 
 
 class PrepareReply(RankedReply):
@@ -513,13 +582,44 @@ class CommitReply(FlashHeadStatus):
     settings_version: int
 
 
+_Short = Annotated[str, Field(max_length=200)]
+
+
+class AuditInput(BaseModel):
+    """What an API server may send a worker to keep with a commit or a rejection: who asked, for what, and
+    why it was refused. The worker adds the time, the outcome, the transaction and its version itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: _Short | None = None
+    api_server: _Short | None = None
+    role: _Short | None = None
+    token_source: _Short | None = None
+    token_fingerprint: _Short | None = None
+    client: _Short | None = None
+    method: _Short | None = None
+    path: _Short | None = None
+    engines: list[int] | None = Field(default=None, max_length=4096)
+    update: dict[str, Any] | None = None
+    status_code: int | None = Field(default=None, ge=100, le=599)
+    error_type: _Short | None = None
+    reason: Annotated[str, Field(max_length=2000)] | None = None
+
+    @model_validator(mode="after")
+    def _update_is_an_update(self) -> AuditInput:
+        if self.update is not None and update_errors(self.update):
+            raise ValueError("update: not a FlashHead update")
+        return self
+
+
 class AuditEntry(BaseModel):
-    """One audit record: a mutation (applied, rejected, failed, pending) or refusals of one caller, counted."""
+    """One audit record: a mutation (applied, partial, rejected, failed, pending) or refusals of one caller,
+    counted."""
 
     model_config = ConfigDict(extra="allow")
 
     time: str = Field(description="When it happened (UTC, ISO 8601); for refusals, the latest one.")
-    result: str = Field(description="applied, rejected, failed, pending or refused.")
+    result: str = Field(description="applied, partial, rejected, failed, pending or refused.")
     status_code: int
     request_id: str | None = None
     api_server: str | None = Field(default=None, description="The API server that answered the request.")
@@ -535,8 +635,19 @@ class AuditEntry(BaseModel):
     settings_version: int | None = None
     engines: list[int] | None = Field(default=None, description="Data-parallel ranks the mutation covered.")
     update: dict[str, Any] | None = None
+    settings: dict[str, Any] | None = Field(
+        default=None, description="The whole settings the update committed (the update over the settings in force)."
+    )
     before: list[dict[str, Any]] | None = None
+    error_type: str | None = None
     reason: str | None = None
+    committed_engines: list[int] | None = Field(
+        default=None, description="Data-parallel ranks whose engines committed the update (partial, failed)."
+    )
+    outcomes: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Per engine: `dp_rank` and `outcome` (committed, aborted, failed, refused, not_reached).",
+    )
     count: int = Field(default=1, description="Refusals: how many were collapsed into this entry.")
     first_time: str | None = Field(default=None, description="Refusals: when the first one happened.")
 
@@ -638,8 +749,11 @@ __all__ = [
     "FLASHHEAD_ABORT",
     "FLASHHEAD_COMMIT",
     "FLASHHEAD_PREPARE",
+    "MAX_LEASE_S",
+    "MAX_SETTINGS_VERSION",
     "MAX_UPDATE_INT",
     "AuditEntry",
+    "AuditInput",
     "AuditReply",
     "CommitReply",
     "LeaseReply",
@@ -655,6 +769,8 @@ __all__ = [
     "SpecPart",
     "SpecReasonCode",
     "SpecState",
+    "RecentRows",
+    "ServedWay",
     "StepCostsReport",
     "StepDenseReason",
     "CONFIG",

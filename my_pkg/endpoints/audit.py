@@ -1,14 +1,19 @@
 """Audit of the admin API: who changed what, who was refused, and how often authentication failed.
 
-Three records, kept apart so that abuse of one cannot wipe another:
+Records kept apart so that abuse of one cannot wipe another:
 
-* **mutations** (applied, rejected) live in the engines (`my_pkg.engine.admin_state`): the commit that
-  applies an update writes its entry, so every API server reads the same history;
-* **this API server's mutations** that never reached an engine's ledger (pending when the wait expired,
-  failed on the way) are kept here, in a ring of their own;
+* **mutations** live in the engines (`my_pkg.engine.admin_state`): each worker writes the update it applied
+  and, collapsed with a count, the ones it rejected, so every API server reads the same history;
+* **the log** is the durable record: every transaction's outcome (applied, rejected, partial, failed,
+  pending), from whichever API server ran it, is one JSON line on the `...endpoints.audit` logger, with
+  its transaction id and the outcome on every engine;
+* **this API server's mutations** the engines did not record as such (pending when the wait expired,
+  failed or partial) are kept here, in a ring of their own, and folded into the engines' entry of their
+  transaction when read;
 * **refusals** (401, 403, 422 on a mutating route; 409 of an update already running here) collapse per
   caller, route and reason into one entry with a count, in a bounded table: a flood of refused calls
-  costs one entry, never the mutations.
+  costs one entry, never the mutations. Unauthenticated refusals have a table of their own, one entry per
+  route and reason: a caller that chooses its token and address at will cannot evict anything.
 
 Failed authentication is also counted on vLLM's `/metrics` (`my_pkg_admin_auth_failures_total{reason}`)
 and logged at most once a minute per reason and client. Tokens never appear: only where they came from
@@ -122,20 +127,32 @@ class AuditLog:
         self.size = size if size is not None else env.MY_PKG_AUDIT_SIZE
         self._mutations: deque[dict[str, Any]] = deque(maxlen=self.size)
         self._refusals: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
+        self._unauthenticated: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
         self._auth_logged: dict[tuple[str, str | None], tuple[float, int]] = {}
 
-    def record(self, who: dict[str, Any], status_code: int, result: str, **details: Any) -> dict[str, Any]:
-        """A mutation's outcome that no engine recorded (pending, failed); logged as one JSON line."""
+    def record(
+        self, who: dict[str, Any], status_code: int, result: str, *, keep: bool = True, **details: Any
+    ) -> dict[str, Any]:
+        """A mutation's outcome, logged as one JSON line; kept here too unless the engines keep it (`keep`)."""
         entry = {"time": now_iso(), **who, "status_code": status_code, "result": result, **details}
-        self._mutations.append(entry)
+        entry = {k: v for k, v in entry.items() if v is not None}
+        if keep:
+            self._mutations.append(entry)
         _log(entry)
         return entry
 
     def refuse(self, who: dict[str, Any], status_code: int, reason: str) -> dict[str, Any]:
         """A refused mutation: counted into the entry of the same caller, route and reason."""
         client_host = (who.get("client") or "").rsplit(":", 1)[0]
-        key = (who.get("token_fingerprint") or client_host, who.get("method"), who.get("path"), status_code, reason)
-        entry = self._refusals.pop(key, None)
+        if who.get("role") is None:
+            # Not authenticated: one entry per reason, never per presented token or address (an unauthenticated
+            # caller chooses both, and must not be able to evict the other entries), in a table of its own.
+            table = self._unauthenticated
+            key: tuple[Any, ...] = (who.get("method"), who.get("path"), status_code, reason)
+        else:
+            table = self._refusals
+            key = (who.get("token_fingerprint") or client_host, who.get("method"), who.get("path"), status_code, reason)
+        entry = table.pop(key, None)
         if entry is None:
             entry = {
                 "time": now_iso(),
@@ -146,11 +163,13 @@ class AuditLog:
                 "count": 0,
                 "first_time": now_iso(),
             }
-            while len(self._refusals) >= self.size:
-                self._refusals.popitem(last=False)
+            while len(table) >= self.size:
+                table.popitem(last=False)
         entry["count"] += 1
         entry.update(time=now_iso(), request_id=who.get("request_id"), client=who.get("client"))
-        self._refusals[key] = entry  # most recent last
+        if who.get("role") is None:
+            entry.pop("token_fingerprint", None)  # the latest bogus token's says nothing about the others
+        table[key] = entry  # most recent last
         if entry["count"] == 1 or entry["count"] % 100 == 0:  # the log shows the flood without one line per call
             _log(entry)
         return entry
@@ -179,7 +198,8 @@ class AuditLog:
         return list(self._mutations)
 
     def refusals(self) -> list[dict[str, Any]]:
-        return list(self._refusals.values())
+        """Authenticated callers' refusals, then the unauthenticated ones (per reason), least recent first."""
+        return [*self._refusals.values(), *self._unauthenticated.values()]
 
 
 def audit_of(request: Request) -> AuditLog | None:

@@ -226,8 +226,7 @@ def _check(request: Request, presented: str | None) -> None:
         identity = tokens.identify(presented) if presented is not None else None
         if identity is None:
             reason = "invalid_token" if presented is not None else "missing_token"
-            if presented is not None:
-                request.state.my_pkg_token_fingerprint = fingerprint(presented)
+            # No fingerprint of a token that matched nothing: the caller chooses it, so it identifies nobody.
             raise _refused(request, unauthenticated_error(presented is not None), reason, mutating)
         role, source = identity
         request.state.my_pkg_role = role
@@ -236,9 +235,17 @@ def _check(request: Request, presented: str | None) -> None:
         if mutating and role != ADMIN:
             raise _refused(request, read_role_error(role, tokens.has_admin), "read_role", mutating)
         return
-    if request.url.path.rstrip("/") == OPEN_PATH or (not mutating and anonymous_reads_allowed()):
+    if _route_path(request).rstrip("/") == OPEN_PATH or (not mutating and anonymous_reads_allowed()):
         return
     raise _refused(request, no_token_configured_error(mutating), "no_token_configured", mutating)
+
+
+def _route_path(request: Request) -> str:
+    """The path the router matched: without `--root-path` when the request carries it (as vLLM's own middleware
+    and Starlette's routing read it)."""
+    path = request.url.path
+    root = request.scope.get("root_path") or ""
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _refused(request: Request, error: AdminAPIError, reason: str, mutating: bool) -> AdminAPIError:

@@ -36,9 +36,11 @@ those real data-parallel ranks.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import socket
-import tempfile
+import stat
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
@@ -46,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from my_pkg.contract import RPC_PREFIX, STATUS, WorkerStatus
+from my_pkg.contract import RPC_PREFIX, STATUS, SettingsValues, WorkerStatus
 from my_pkg.endpoints.audit import AuditLog
 from my_pkg.endpoints.auth import TokenSet
 from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, DEFAULT_STATUS_MAX_AGE, logger
@@ -65,6 +67,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 R = TypeVar("R", bound=BaseModel)
 UPDATE_KEY = "flashhead_update"
+#: vLLM's private directory for the multiprocess metrics of a run with several API servers.
+ENV_PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class SingleFlight:
@@ -114,6 +118,12 @@ class StatusSnapshot:
         """The engines' settings version (the highest, should they differ)."""
         return max((w.settings_version for w in self.workers), default=0)
 
+    def held(self) -> list[dict[str, Any]]:
+        """What every worker holds: its settings version and settings (see :func:`held_settings`)."""
+        return held_settings(
+            (w.dp_rank, w.rank, w.settings_version, SettingsValues.of_state(w.flashhead)) for w in self.workers
+        )
+
     def age(self) -> float:
         """Seconds since the call for this snapshot was sent."""
         return max(0.0, time.monotonic() - self.requested_at)
@@ -123,35 +133,72 @@ class StatusSnapshot:
         return worker_ids(self.workers)
 
 
+def held_settings(items: Iterable[tuple[int, int, int, SettingsValues]]) -> list[dict[str, Any]]:
+    """`[{dp_rank, rank, settings_version, settings}]` of every worker, sorted: what the engines hold."""
+    return sorted(
+        (
+            {"dp_rank": dp_rank, "rank": rank, "settings_version": version, "settings": values.model_dump()}
+            for dp_rank, rank, version, values in items
+        ),
+        key=lambda h: (h["dp_rank"], h["rank"]),
+    )
+
+
+def consistent(held: list[dict[str, Any]]) -> bool:
+    """Every worker holds the same settings version and the same settings."""
+    return len({(h["settings_version"], json.dumps(h["settings"], sort_keys=True)) for h in held}) <= 1
+
+
+def etag_of(held: list[dict[str, Any]]) -> str:
+    """The ETag of what the engines hold: `"<version>.<digest>"`, the digest covering every worker's version and
+    settings, so any difference (an engine behind, or restarted with its defaults) is another ETag."""
+    version = max((h["settings_version"] for h in held), default=0)
+    digest = hashlib.sha256(json.dumps(held, sort_keys=True).encode()).hexdigest()[:12]
+    return f'"{version}.{digest}"'
+
+
 def worker_ids(replies: Iterable[BaseModel]) -> frozenset[tuple[int, int, int | None]]:
     """`(dp_rank, rank, pid)` of every worker that sent one of `replies`."""
     return frozenset((getattr(r, "dp_rank", 0), getattr(r, "rank", 0), getattr(r, "pid", None)) for r in replies)
 
 
 class UpdateMarker:
-    """A file per node and port holding when (`time.time_ns()`) any API server last committed an update.
+    """A file per `vllm serve` and port holding when (`time.time_ns()`) any API server last committed an update.
 
     The API servers of one `vllm serve` share the port (and the engines), not memory; reading this small
     file is what a read costs to learn that a sibling committed an update after its snapshot was asked
-    for. The time is written into the file (file times come from a coarse clock) and replaced atomically.
+    for. It lives in `PROMETHEUS_MULTIPROC_DIR`, the private directory vLLM makes for each run with several
+    API servers (and removes at exit); with one API server there is no sibling and no file. The time is
+    written into the file (file times come from a coarse clock), replaced atomically, and read only from a
+    regular file of this user (never through a link).
     """
 
-    def __init__(self, key: str) -> None:
-        self.path = os.path.join(tempfile.gettempdir(), f"my_pkg-admin-{os.getuid()}-{key}.updated")
+    def __init__(self, key: str, directory: str | None = None) -> None:
+        directory = directory if directory is not None else os.environ.get(ENV_PROMETHEUS_MULTIPROC_DIR)
+        self.path = os.path.join(directory, f"my_pkg-admin-{key}.updated") if directory else None
 
     def touch(self) -> None:
+        if self.path is None:
+            return
         temporary = f"{self.path}.{os.getpid()}"
         try:
-            with open(temporary, "w") as out:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as out:
                 out.write(str(time.time_ns()))
             os.replace(temporary, self.path)
-        except OSError as exc:  # a read-only tmp costs siblings only the max age
+        except OSError as exc:  # a read-only directory costs siblings only the max age
             logger.debug("Could not write the update marker %s: %s", self.path, exc)
 
     def changed_since(self, wall_ns: int) -> bool:
+        if self.path is None:
+            return False
         try:
-            with open(self.path) as marker:
-                return int(marker.read() or 0) >= wall_ns
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as marker:
+                info = os.fstat(marker.fileno())
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                    return False
+                return int(marker.read(32) or 0) >= wall_ns
         except (OSError, ValueError):
             return False
 
@@ -188,7 +235,7 @@ class AdminState:
         self.in_flight = SingleFlight()
         self._warned_single_engine = False
         self.audit = AuditLog()
-        self.marker = UpdateMarker(marker_key or f"pid{os.getpid()}")
+        self.marker = UpdateMarker(marker_key or f"pid{os.getpid()}")  # no file without sibling API servers
         core = getattr(engine_client, "engine_core", None)
         index = getattr(core, "client_index", 0)
         #: Who this API server is, in audit entries and lease holders.
@@ -202,6 +249,8 @@ class AdminState:
         self._snapshot: StatusSnapshot | None = None
         self._status_generation = 0
         self._known_workers: frozenset[tuple[int, int, int | None]] | None = None
+        #: Called with a snapshot whose workers differ from the previous one's (an engine restarted or joined).
+        self.on_workers_changed: Callable[[StatusSnapshot], None] | None = None
 
     def start_background(self, work: Awaitable[Any]) -> None:
         """Run `work` on the event loop without anyone waiting for it (kept referenced until done)."""
@@ -220,15 +269,16 @@ class AdminState:
         if getattr(self.engine_client, "errored", False) is True:
             raise engine_dead_error()
 
-    async def wait(self, task: asyncio.Task[T], what: str) -> T:
-        """Wait at most ``rpc_timeout`` for ``task`` without ever cancelling it."""
+    async def wait(self, task: asyncio.Task[T], what: str, timeout: float | None = None) -> T:
+        """Wait at most ``timeout`` (default ``rpc_timeout``) for ``task`` without ever cancelling it."""
+        bound = self.rpc_timeout if timeout is None else timeout
         try:
-            return await asyncio.wait_for(asyncio.shield(task), timeout=self.rpc_timeout)
+            return await asyncio.wait_for(asyncio.shield(task), timeout=bound)
         except asyncio.TimeoutError as exc:
             if task.done():
                 # It finished in the tick the wait expired: its own outcome (an applied update stays applied).
                 return task.result()
-            raise rpc_timeout_error(what, self.rpc_timeout) from exc
+            raise rpc_timeout_error(what, bound) from exc
 
     # ---- data that cannot change while the engine lives --------------------------------------
 
@@ -332,10 +382,13 @@ class AdminState:
         current = self._snapshot
         if current is None or (current.generation, current.requested_at) <= (generation, requested_at):
             self._snapshot = snapshot
-        if self._known_workers is not None and snapshot.worker_ids != self._known_workers:
+        changed = self._known_workers is not None and snapshot.worker_ids != self._known_workers
+        self._known_workers = snapshot.worker_ids
+        if changed:
             logger.info("The engine's workers changed; fetching their identity and configuration again.")
             self.forget_static()
-        self._known_workers = snapshot.worker_ids
+            if self.on_workers_changed is not None:
+                self.on_workers_changed(snapshot)
         return snapshot
 
     # ---- the engine-side call ---------------------------------------------------------------

@@ -460,14 +460,30 @@ def update_in_progress_error(
     )
 
 
-def version_conflict_error(update: dict[str, Any], expected: int, current: int) -> AdminAPIError:
+def version_conflict_error(
+    update: dict[str, Any], expected: str, etag: str, held: list[dict[str, Any]]
+) -> AdminAPIError:
+    versions = sorted({h["settings_version"] for h in held})
     return AdminAPIError(
         409,
-        f"The settings are at version {current}, not {expected} (If-Match); nothing was applied.",
+        f"The settings are at {etag} (versions {versions}), not {expected} (If-Match); nothing was applied.",
         type="version_conflict",
-        hint=f"Read GET {ROUTE_PREFIX}/flashhead again and retry with its settings_version.",
+        hint=f"Read GET {ROUTE_PREFIX}/flashhead again and retry with its ETag.",
         update=update,
-        settings_version=current,
+        settings_version=max(versions, default=0),
+        etag=etag,
+        engine_settings=held,
+    )
+
+
+def update_deadline_error(update: dict[str, Any], seconds: float, transaction: str) -> AdminAPIError:
+    return AdminAPIError(
+        503,
+        f"Preparing the update took longer than {seconds:g} s, half of its lease; nothing was applied.",
+        type="update_deadline",
+        hint="An engine is slow to answer between two steps; retry the PUT.",
+        update=update,
+        transaction=transaction,
     )
 
 
@@ -499,11 +515,15 @@ def invalid_update_error(update: dict[str, Any], failing: list[dict[str, Any]], 
 
 
 PARTIAL_APPLY_NOTE = (
-    "Every engine accepted the update but committing it failed on some; the "
-    f"engines may now differ. Check GET {ROUTE_PREFIX}/flashhead and retry."
+    "Committing the update failed on an engine: it is in force on committed_engines only, and every other "
+    "engine's lease was released (engine_settings says what each holds). The next PUT, from any API server, "
+    "brings every engine to the same settings: retry it."
+)
+NOTHING_APPLIED_NOTE = (
+    "Committing the update failed on the first engine: nothing was applied and every lease was released. Retry the PUT."
 )
 PENDING_NOTE = (
-    "The update is still pending in the engine: it is applied on every "
-    "engine (or on none, if one rejects it) once the workers answer. "
-    f"Check GET {ROUTE_PREFIX}/flashhead."
+    "The engines have not answered yet, so the update's outcome is not known: it completes, or fails and "
+    f"releases its leases, by itself. GET {ROUTE_PREFIX}/flashhead shows what every engine holds "
+    "(`consistent`); the audit has the transaction's outcome."
 )

@@ -23,9 +23,11 @@ Series are labelled by `dp_rank` (the engine) and `rank` (the worker within it).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -67,7 +69,9 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
     fidelity_rows = counter("fidelity_rows", "FlashHead rows also checked against the dense head (live fidelity).")
     fidelity_agreed = counter("fidelity_agreed", "Checked rows whose FlashHead best token is a dense argmax.")
     rows_verify = counter("rows_verify", "Speculative-decoding verify rows served by FlashHead (of path=flashhead).")
-    rows_verify_pinned = counter("rows_verify_pinned", "Sampled verify rows whose draft token was scored exactly.")
+    rows_masked = counter(
+        "rows_masked", "Rows given FlashHead's answer made from the dense product (of path=flashhead)."
+    )
     rows_draft = counter(
         "rows_draft", "Speculative-decoding draft rows served by the drafter's FlashHead head (not in path=flashhead)."
     )
@@ -103,7 +107,7 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         fidelity_rows.add_metric(labels, counters.fidelity_rows)
         fidelity_agreed.add_metric(labels, counters.fidelity_agreed)
         rows_verify.add_metric(labels, counters.rows_flashhead_verify)
-        rows_verify_pinned.add_metric(labels, counters.rows_flashhead_verify_pinned)
+        rows_masked.add_metric(labels, counters.rows_flashhead_masked)
         rows_draft.add_metric(labels, counters.rows_flashhead_draft)
         exchanges.add_metric(labels, counters.stage1_exchanges)
         available.add_metric(labels, state.available)
@@ -125,7 +129,7 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         fidelity_rows,
         fidelity_agreed,
         rows_verify,
-        rows_verify_pinned,
+        rows_masked,
         rows_draft,
         exchanges,
         available,
@@ -197,6 +201,10 @@ _SCRAPE_COLLECTOR = ScrapeCollector()
 _registered: weakref.WeakSet[CollectorRegistry] = weakref.WeakSet()
 
 
+#: Gauge of the multiprocess mirror: when its latest snapshot was asked for.
+SNAPSHOT_TIMESTAMP = "my_pkg_status_snapshot_timestamp_seconds"
+
+
 class MultiprocessMirror:
     """Writes each new snapshot into prometheus_client's multiprocess files (one writer per server).
 
@@ -214,25 +222,34 @@ class MultiprocessMirror:
         self._values: dict[tuple[str, str, tuple[str, ...], tuple[str, ...]], object] = {}
 
     def write(self, snapshot: StatusSnapshot) -> None:
+        """Write `snapshot`'s series; a series written before that is not in it any more (an engine gone, a
+        value now null) is set to NaN (the files cannot drop a series), and the snapshot's time is written as
+        `my_pkg_status_snapshot_timestamp_seconds` (an age is only right when read)."""
+        written: set[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = set()
         for family in families(snapshot):
             if family.name == "my_pkg_status_snapshot_age_seconds":
                 continue  # an age is only right when read; the route serves it
             for sample in family.samples:
                 names = tuple(sorted(sample.labels))
                 key = (family.name, sample.name, names, tuple(sample.labels[n] for n in names))
-                value = self._values.get(key)
-                if value is None:
-                    value = self._value_class(
-                        family.type,
-                        family.name,
-                        sample.name,
-                        list(names),
-                        list(key[3]),
-                        family.documentation,
-                        multiprocess_mode="max",
-                    )
-                    self._values[key] = value
-                value.set(float(sample.value))
+                self._value(key, family.type, family.documentation).set(float(sample.value))
+                written.add(key)
+        for key, value in self._values.items():
+            if key not in written and key[0] != SNAPSHOT_TIMESTAMP:
+                value.set(math.nan)  # type: ignore[attr-defined]
+        stamp = (SNAPSHOT_TIMESTAMP, SNAPSHOT_TIMESTAMP, (), ())
+        self._value(stamp, "gauge", "When the status snapshot behind these series was asked for (Unix time).").set(
+            snapshot.requested_wall_ns / 1e9
+        )
+
+    def _value(self, key: tuple[str, str, tuple[str, ...], tuple[str, ...]], kind: str, documentation: str) -> Any:
+        value = self._values.get(key)
+        if value is None:
+            value = self._value_class(
+                kind, key[0], key[1], list(key[2]), list(key[3]), documentation, multiprocess_mode="max"
+            )
+            self._values[key] = value
+        return value
 
 
 async def mirror_forever(handler: AdminState, mirror: MultiprocessMirror, interval: float = MIRROR_INTERVAL_S) -> None:

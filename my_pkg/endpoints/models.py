@@ -16,6 +16,7 @@ from my_pkg.contract import (
     FlashHeadStatus,
     MemoryInfo,
     PingReply,
+    SettingsValues,
     WorkerConfig,
     WorkerIdentity,
 )
@@ -76,18 +77,44 @@ class ConfigResponse(BaseModel):
 
 
 # ------------------------------------------------------------------ flashhead
+class EngineSettings(BaseModel):
+    """What one worker holds: its settings version and settings."""
+
+    dp_rank: int
+    rank: int
+    settings_version: int
+    settings: SettingsValues
+
+
 class FlashHeadStatusResponse(BaseModel):
     num_workers: int
     settings_version: int = Field(
-        description="Updates committed on the engines; send it as If-Match to update only these settings."
+        description="Updates committed on the engines: the version every worker holds when `consistent`, else the "
+        "highest."
     )
+    consistent: bool = Field(
+        description="Every worker of every engine holds the same settings version and settings. False after an "
+        "update failed half-way or an engine restarted with its defaults; the next successful PUT makes it true."
+    )
+    etag: str = Field(
+        description="The ETag header: covers every worker's version and settings. Send it as If-Match to update "
+        "only these settings."
+    )
+    engine_settings: list[EngineSettings] = Field(description="Per worker: its settings version and settings.")
     snapshot_age_s: float = _snapshot_age()
     workers: list[FlashHeadStatus]
 
 
 class FlashHeadUpdateResponse(BaseModel):
-    applied: dict[str, Any] = Field(description="The update applied on all workers of the engines listed.")
-    settings_version: int = Field(description="The settings version the update created (one per 200).")
+    applied: dict[str, Any] = Field(description="The update as sent (the fields given).")
+    settings: dict[str, Any] = Field(
+        description="The whole settings now in force on every worker of the engines listed: the update over the "
+        "settings that were in force."
+    )
+    settings_version: int = Field(description="The settings version every worker now holds (one per 200).")
+    transaction: str = Field(description="The update's transaction id (in the audit).")
+    etag: str = Field(description="The ETag of GET /flashhead after this update (also the ETag header).")
+    engine_settings: list[EngineSettings] = Field(description="Per worker: the version and settings it reported.")
     engines: list[int] = Field(description="Data-parallel ranks of the engines the update covered.")
     other_nodes_untouched: bool = Field(
         description="True under hybrid or external DP load balancing: this API server manages only its node's "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from argparse import Namespace
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from my_pkg.endpoints.config import (
 )
 from my_pkg.endpoints.metrics import expose_on_registry
 from my_pkg.endpoints.routes import router
+from my_pkg.endpoints.updates import catch_up
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -63,6 +65,8 @@ class AdminEndpointPlugin:
             request_id_headers=getattr(args, "enable_request_id_headers", False) is True,
         )
         setattr(state, STATE_ATTR, handler)
+        # A restarted or newly joined engine is brought to the settings in force once a snapshot shows it.
+        handler.on_workers_changed = functools.partial(catch_up, handler)
         warn_about(tokens)
         if engine_client is not None:
             # The first snapshot before the server serves (the engines are ready by now; a few ms), so the

@@ -25,7 +25,7 @@ from my_pkg.contract import (
     WorkerIdentity,
 )
 from my_pkg.endpoints.auth import require_admin_auth, require_admin_role
-from my_pkg.endpoints.client import AdminState
+from my_pkg.endpoints.client import UPDATE_KEY, AdminState, consistent, etag_of
 from my_pkg.endpoints.config import ROUTE_PREFIX, STATE_ATTR
 from my_pkg.endpoints.errors import (
     bad_if_match_error,
@@ -47,11 +47,18 @@ from my_pkg.endpoints.models import (
     WorkersResponse,
 )
 from my_pkg.endpoints.route_class import AdminRoute
-from my_pkg.endpoints.updates import engine_audit, mutation, parse_if_match, update_flashhead
+from my_pkg.endpoints.updates import (
+    engine_audit,
+    merged_audit,
+    mutation,
+    parse_if_match,
+    update_flashhead,
+    update_wait_s,
+)
 
-UPDATE_KEY = "flashhead_update"
-#: `If-Match`: a settings version, optionally quoted or weak (`7`, `"7"`, `W/"7"`), or `*` (any).
-IF_MATCH_PATTERN = r'^(\*|(W/)?"?[0-9]{1,15}"?)$'
+#: `If-Match`: an ETag of GET /flashhead (`"7.0123456789ab"`) or a bare settings version (`7`, `"7"`), optionally
+#: weak (`W/"7"`), or `*` (any).
+IF_MATCH_PATTERN = r'^(\*|(W/)?"?[0-9]{1,15}(\.[0-9a-f]{12})?"?)$'
 
 
 def _error_doc(description: str) -> dict[str, Any]:
@@ -137,14 +144,19 @@ async def config(section: str, state: State) -> ConfigResponse:
     return ConfigResponse(section=section, num_workers=len(configs), workers=configs)
 
 
-@router.get("/flashhead", summary="FlashHead status and counters, per worker, and the settings version")
+@router.get("/flashhead", summary="FlashHead status and counters, per worker, and what every engine holds")
 async def flashhead_status(state: State, response: Response) -> FlashHeadStatusResponse:
     snapshot = await state.status()
     statuses = [worker.flashhead_status() for worker in snapshot.workers]
-    response.headers["ETag"] = f'"{snapshot.settings_version}"'
+    held = snapshot.held()
+    etag = etag_of(held)
+    response.headers["ETag"] = etag
     return FlashHeadStatusResponse(
         num_workers=len(statuses),
         settings_version=snapshot.settings_version,
+        consistent=consistent(held),
+        etag=etag,
+        engine_settings=held,
         snapshot_age_s=_age(snapshot.age()),
         workers=statuses,
     )
@@ -156,24 +168,27 @@ async def flashhead_status(state: State, response: Response) -> FlashHeadStatusR
         409: _error_doc(
             "The served model cannot take a valid update (e.g. more probes than it has clusters), "
             "FlashHead is not available on it, another update is in progress (from any API server), or "
-            "If-Match names another settings version; nothing applied. The body has the current version."
+            "If-Match names other settings than the engines hold; nothing applied. The body has the current "
+            "version (and, for If-Match, the ETag and what every engine holds)."
         ),
         413: _error_doc("The body is larger than MY_PKG_ADMIN_MAX_BODY_BYTES (not read)."),
         422: _error_doc("Invalid body (nothing applied)."),
     },
     summary="Change FlashHead settings on all workers of every engine this API server manages, or on none",
 )
-@mutation(UPDATE_KEY, "The FlashHead update")
+@mutation(UPDATE_KEY, "The FlashHead update", wait_s=update_wait_s)
 async def flashhead_update(
     body: FlashHeadUpdate,
     request: Request,
     state: State,
+    response: Response,
     # `str` with a None default: the header may be left out, but its schema has no `null` (a client would send
     # the text "null").
     if_match: Annotated[
         str,
         Header(
-            description="Apply only if the settings version is this one (the ETag of GET /flashhead).",
+            description="Apply only if the engines hold what this ETag of GET /flashhead names (or, a bare "
+            "number, every engine is at that settings version with the same settings).",
             pattern=IF_MATCH_PATTERN,
         ),
     ] = None,  # type: ignore[assignment]
@@ -183,14 +198,20 @@ async def flashhead_update(
     except ValueError:
         raise bad_if_match_error(if_match or "") from None
     update = body.to_update()
-    statuses, version, ranks = await update_flashhead(state, update, request.state.my_pkg_caller, expected)
+    result = await update_flashhead(state, update, request.state.my_pkg_caller, expected)
+    etag = etag_of(result.held)
+    response.headers["ETag"] = etag
     return FlashHeadUpdateResponse(
         applied=update,
-        settings_version=version,
-        engines=ranks,
+        settings=result.settings,
+        settings_version=result.settings_version,
+        transaction=result.transaction,
+        etag=etag,
+        engine_settings=result.held,
+        engines=result.engines,
         other_nodes_untouched=state.local_engines_only,
-        num_workers=len(statuses),
-        workers=statuses,
+        num_workers=len(result.statuses),
+        workers=result.statuses,
     )
 
 
@@ -202,8 +223,7 @@ async def flashhead_update(
 )
 async def audit(state: State) -> AuditResponse:
     mutations = await state.wait(state.in_flight.start("audit", lambda: engine_audit(state)), "The audit read")
-    local = state.audit.mutations()
-    merged = sorted([*mutations, *local], key=lambda e: e["time"])
+    merged = merged_audit(mutations, state.audit.mutations())
     return AuditResponse(
         size=state.audit.size, api_server=state.identity, mutations=merged, refusals=state.audit.refusals()
     )

@@ -1,19 +1,20 @@
-"""What a worker keeps for the admin API: its settings version, the update lease, and the audit entries.
+"""What a worker keeps for the admin API: its settings version, the update lease, and its audit entries.
 
 This is the one truth every API server shares. vLLM may run several API-server processes (`vllm serve
 --data-parallel-size N` or `--api-server-count N`), each with its own memory; only the engine is common to
 them, so anything that must hold across them lives here, in each worker:
 
-* the **settings version**: how many updates were committed. Every status reply carries it, and an update
-  can be made conditional on it (compare-and-set, `If-Match`).
+* the **settings version**: how many updates were committed, as the API server numbered them. Every
+  status reply carries it; a worker only ever moves it up (it refuses a commit that would not).
 * the **lease**: an update is two-phase. `prepare` validates it and takes the worker's lease for one
-  transaction; `commit` applies it, sets the version and releases the lease; `abort` releases it. An API
-  server prepares the engines one by one in ascending data-parallel rank, so of two concurrent updates
-  the one that takes the lowest engine first wins everywhere and the other finds it busy (nothing
-  partial, no deadlock). A lease lapses after the seconds the API server asked for, so a crashed API
-  server cannot wedge updates.
-* the **audit entries** of mutations, written by the commit (or abort) itself: whichever API server
-  reads them gets the same history.
+  transaction, noting the version it saw; `commit` applies the whole settings only while the transaction
+  still holds the lease and the version is still the one it saw, sets the new version and releases the
+  lease; `abort` releases it. A lease lapses after the seconds the API server asked for (at most
+  `MAX_LEASE_S`), so a crashed API server cannot wedge updates; a lapsed lease that nobody took is still
+  the transaction's, one that another transaction took is not, and its late commit is refused.
+* the **audit entries**, written by the worker itself: the updates it applied (a ring of its own), and the
+  rejections, collapsed per caller and reason with a count (a table of its own, so no flood of
+  rejections can evict an applied update).
 
 Nothing here imports vLLM or the FlashHead controller: `my_pkg.engine.rpc` calls it around the
 controller's `validate`, `apply` and `status`.
@@ -22,15 +23,20 @@ controller's `validate`, `apply` and `status`.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
-from my_pkg.contract import AuditEntry, Transaction
+from my_pkg.contract import MAX_LEASE_S, AuditEntry, AuditInput, Transaction
 
 #: Attribute of the worker object holding its `AdminLedger`.
 WORKER_ATTR = "_my_pkg_admin_ledger"
 DEFAULT_AUDIT_SIZE = 256
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 @dataclass
@@ -38,6 +44,7 @@ class Lease:
     transaction: str
     holder: str
     expires_at: float  # time.monotonic() of this worker process
+    version: int  # the worker's settings version when the lease was taken
 
     def lapsed(self, now: float) -> bool:
         return now >= self.expires_at
@@ -45,16 +52,20 @@ class Lease:
 
 @dataclass
 class AdminLedger:
-    """One worker's settings version, update lease and audit entries (mutations only, newest last)."""
+    """One worker's settings version, update lease and audit entries (oldest first)."""
 
     audit_size: int = DEFAULT_AUDIT_SIZE
     version: int = 0
     lease: Lease | None = None
-    entries: deque[dict[str, Any]] = field(default_factory=deque)
+    applied: deque[dict[str, Any]] = field(default_factory=deque)
+    rejected: OrderedDict[tuple[Any, ...], dict[str, Any]] = field(default_factory=OrderedDict)
+    #: The last transaction this worker committed and the reply it gave (a repeated commit gets it again).
+    last_commit: tuple[str, dict[str, Any]] | None = None
     clock: Any = time.monotonic
 
     def __post_init__(self) -> None:
-        self.entries = deque(self.entries, maxlen=max(1, int(self.audit_size)))
+        self.audit_size = max(1, int(self.audit_size))
+        self.applied = deque(self.applied, maxlen=self.audit_size)
 
     # ---- the lease ------------------------------------------------------------------------------
 
@@ -75,7 +86,8 @@ class AdminLedger:
         return None
 
     def take(self, txn: Transaction) -> None:
-        self.lease = Lease(txn.id, txn.holder, self.clock() + txn.lease_s)
+        lease_s = min(float(txn.lease_s), MAX_LEASE_S)
+        self.lease = Lease(txn.id, txn.holder, self.clock() + lease_s, self.version)
 
     def release(self, txn_id: str) -> bool:
         if self.lease is not None and self.lease.transaction == txn_id:
@@ -83,23 +95,84 @@ class AdminLedger:
             return True
         return False
 
-    def may_commit(self, txn: Transaction) -> bool:
-        """`txn` holds the lease, or held it and nobody took it since it lapsed."""
-        return self.lease is not None and self.lease.transaction == txn.id or self.holder_other_than(txn) is None
+    def commit_refusal(self, txn: Transaction) -> str | None:
+        """Why `txn` may not commit here (None when it may): it must hold the lease (a lapsed one nobody took
+        counts), the version must still be the one it prepared on, and the new version must be higher."""
+        lease = self.lease
+        if lease is None or lease.transaction != txn.id:
+            holder = f"; {lease.holder} holds it now" if lease is not None else ""
+            return f"update {txn.id} does not hold this worker's lease (released, aborted, or lapsed and taken){holder}"
+        if self.version != lease.version:
+            return f"the settings version moved from {lease.version} to {self.version} since update {txn.id} prepared"
+        if txn.new_version is None or txn.new_version <= self.version:
+            return f"the new settings version {txn.new_version} is not above this worker's {self.version}"
+        return None
 
     # ---- version and audit ----------------------------------------------------------------------
 
-    def committed(self, txn: Transaction, entry: dict[str, Any] | None) -> None:
-        """Record a commit of `txn`: the new version, its audit entry, the lease released."""
-        self.version = (
-            txn.new_version if txn.new_version is not None and txn.new_version > self.version else self.version + 1
-        )
+    def committed(
+        self,
+        txn: Transaction,
+        settings: dict[str, Any],
+        entry: dict[str, Any] | None,
+        before: dict[str, Any] | None = None,
+    ) -> None:
+        """Record the commit of `txn` (checked by `commit_refusal`): its version, its audit entry (with this
+        worker's settings `before` it), the lease released."""
+        assert txn.new_version is not None
+        self.version = txn.new_version
         self.release(txn.id)
         if entry is not None:
-            self.keep({**entry, "settings_version": self.version})
+            self.keep_applied(entry, txn.id, settings, before)
 
-    def keep(self, entry: dict[str, Any]) -> None:
-        self.entries.append(AuditEntry.model_validate(entry).model_dump(mode="json", exclude_none=True))
+    def applied_locally(self) -> None:
+        """An update applied without a transaction (`my_pkg_flashhead_apply`): one version up."""
+        self.version += 1
+
+    def keep_applied(
+        self, entry: dict[str, Any], txn_id: str, settings: dict[str, Any], before: dict[str, Any] | None = None
+    ) -> None:
+        given = AuditInput.model_validate(entry).model_dump(exclude_none=True)
+        record = {
+            "before": [before] if before is not None else None,
+            **given,
+            "time": now_iso(),
+            "result": "applied",
+            "status_code": 200,
+            "transaction": txn_id,
+            "settings": settings,
+            "settings_version": self.version,
+        }
+        self.applied.append(AuditEntry.model_validate(record).model_dump(mode="json", exclude_none=True))
+
+    def keep_rejected(self, entry: dict[str, Any], txn_id: str) -> None:
+        """A rejected update, counted into the entry of the same caller and reason (bounded table)."""
+        given = AuditInput.model_validate(entry).model_dump(exclude_none=True)
+        key = (
+            given.get("api_server"),
+            given.get("token_fingerprint") or given.get("role"),
+            given.get("status_code"),
+            given.get("error_type") or given.get("reason"),
+        )
+        kept = self.rejected.pop(key, None)
+        if kept is None:
+            while len(self.rejected) >= self.audit_size:
+                self.rejected.popitem(last=False)
+            kept = {"first_time": now_iso(), "count": 0}
+        kept.update(
+            given,
+            time=now_iso(),
+            result="rejected",
+            status_code=given.get("status_code") or 409,
+            transaction=txn_id,
+            settings_version=self.version,
+            count=kept["count"] + 1,
+        )
+        self.rejected[key] = AuditEntry.model_validate(kept).model_dump(mode="json", exclude_none=True)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Applied and rejected entries, oldest first."""
+        return sorted([*self.applied, *self.rejected.values()], key=lambda e: e["time"])
 
 
 def ledger_of(worker: Any, audit_size: int = DEFAULT_AUDIT_SIZE) -> AdminLedger:

@@ -16,11 +16,12 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from my_pkg import PLUGIN_NAME, __version__
 from my_pkg.contract import (
     CONFIG_SECTIONS,
+    AuditInput,
     AuditReply,
     CommitReply,
     FlashHeadState,
@@ -230,17 +231,49 @@ def _ledger(worker: Any) -> AdminLedger:
     return ledger_of(worker, env.MY_PKG_AUDIT_SIZE)
 
 
-def _apply(worker: Any, update: dict[str, Any], txn: Transaction, entry: dict[str, Any] | None) -> dict[str, Any]:
-    """Apply `update` (validated again: nothing may have changed since), then record the commit."""
+def _transaction(txn: Any) -> Transaction:
+    """`txn` checked against the contract (bounded lease and version, nothing undeclared); ValueError if not."""
+    try:
+        return Transaction.model_validate(txn)
+    except ValidationError as exc:
+        raise ValueError(f"invalid transaction: {exc.error_count()} error(s), first: {_first_error(exc)}") from None
+
+
+def _audit_input(entry: Any) -> dict[str, Any] | None:
+    """`entry` checked against the contract's `AuditInput` (what a caller may say); ValueError if not."""
+    if entry is None:
+        return None
+    try:
+        return AuditInput.model_validate(entry).model_dump(exclude_none=True)
+    except ValidationError as exc:
+        raise ValueError(f"invalid audit entry: {exc.error_count()} error(s), first: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False, include_input=False)[0]
+    return f"{'.'.join(str(part) for part in first['loc']) or 'value'}: {first['msg']}"
+
+
+def _settings_now(worker: Any) -> SettingsValues:
+    return SettingsValues.of_state(_flashhead_state(worker))
+
+
+def _apply_settings(worker: Any, settings: dict[str, Any]) -> None:
+    """Bring this worker to `settings` (validated again: nothing may have changed since the prepare). Only the
+    fields that differ are applied, so a commit that changes nothing costs nothing (no re-timing)."""
     controller = _controller(worker)
     if controller is None:
         raise RuntimeError("FlashHead is not available on this worker")
-    errors = _update_errors(worker, update)
+    errors = _update_errors(worker, settings)
     if errors:
         raise ValueError("; ".join(errors))
-    controller.apply(FlashHeadUpdate.model_validate(update))
-    ledger = _ledger(worker)
-    ledger.committed(txn, entry if _rank(worker) == 0 else None)  # rank 0 of each engine keeps the audit
+    now = _settings_now(worker).model_dump()
+    changed = {name: value for name, value in settings.items() if now.get(name) != value}
+    if changed:
+        controller.apply(FlashHeadUpdate.model_validate(changed))
+
+
+def _commit_reply(worker: Any, ledger: AdminLedger) -> dict[str, Any]:
     status = my_pkg_flashhead_status(worker)
     return _reply(CommitReply.model_validate({**status, "settings_version": ledger.version}))
 
@@ -251,24 +284,20 @@ def my_pkg_flashhead_apply(self: Any, update: dict[str, Any]) -> dict[str, Any]:
     For `LLM.collective_rpc` (one process, nothing to serialise against but the API servers): refused while
     an API server's update holds this worker's lease.
     """
-    txn = Transaction(id=f"local-{os.getpid()}-{_ledger(self).version}", holder=f"local pid {os.getpid()}", lease_s=1.0)
-    conflict = _ledger(self).conflict(txn)
+    ledger = _ledger(self)
+    txn = Transaction(id=f"local-{os.getpid()}-{ledger.version}", holder=f"local pid {os.getpid()}", lease_s=1.0)
+    conflict = ledger.conflict(txn)
     if conflict is not None:
         raise RuntimeError(f"another update holds this worker's lease ({conflict[1]})")
-    return _apply(self, update, txn, None)
+    _apply_settings(self, _settings_now(self).whole(update) if not update_errors(update) else update)
+    ledger.applied_locally()
+    return _commit_reply(self, ledger)
 
 
 def my_pkg_flashhead_prepare(self: Any, update: dict[str, Any], txn: dict[str, Any]) -> dict[str, Any]:
     """Phase 1: validate `update` and take this worker's lease for `txn`; changes no setting."""
-    transaction = Transaction.model_validate(txn)
+    transaction = _transaction(txn)
     ledger = _ledger(self)
-    state = _flashhead_state(self)
-    before = SettingsValues(
-        enabled=state.enabled,
-        n_probes=state.n_probes,
-        dense_batch_threshold=state.dense_batch_threshold,
-        draft_n_probes=state.spec.draft_n_probes if state.spec is not None else None,
-    )
     conflict = ledger.conflict(transaction)
     errors = [] if conflict is not None else _update_errors(self, update)
     granted = conflict is None and not errors
@@ -282,36 +311,47 @@ def my_pkg_flashhead_prepare(self: Any, update: dict[str, Any], txn: dict[str, A
             errors=errors,
             conflict=conflict[0] if conflict else None,
             holder=conflict[1] if conflict else None,
-            before=before,
+            before=_settings_now(self),
         )
     )
 
 
 def my_pkg_flashhead_commit(
-    self: Any, update: dict[str, Any], txn: dict[str, Any], entry: dict[str, Any] | None = None
+    self: Any, settings: dict[str, Any], txn: dict[str, Any], entry: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Phase 2: apply the update `txn` prepared, set its version, keep `entry` in the audit, release the lease."""
-    transaction = Transaction.model_validate(txn)
+    """Phase 2: bring this worker to the whole `settings`, set the transaction's version, keep `entry` in the
+    audit, release the lease. Refused unless `txn` still holds the lease, the version is the one it prepared on
+    and the new version is higher. Committing the same transaction again answers the same (changes nothing)."""
+    transaction = _transaction(txn)
+    given = _audit_input(entry)
     ledger = _ledger(self)
-    if not ledger.may_commit(transaction):
-        holder = ledger.lease.holder if ledger.lease else None
-        raise RuntimeError(f"the lease of update {transaction.id} lapsed and {holder} took it; not applied here")
-    return _apply(self, update, transaction, entry)
+    if ledger.last_commit is not None and ledger.last_commit[0] == transaction.id:
+        return ledger.last_commit[1]
+    refusal = ledger.commit_refusal(transaction)
+    if refusal is not None:
+        raise RuntimeError(f"{refusal}; not applied here")
+    before = {"rank": _rank(self), **_settings_now(self).model_dump()}
+    _apply_settings(self, settings)
+    ledger.committed(transaction, settings, given if _rank(self) == 0 else None, before)  # rank 0 keeps the audit
+    reply = _commit_reply(self, ledger)
+    ledger.last_commit = (transaction.id, reply)
+    return reply
 
 
 def my_pkg_flashhead_abort(self: Any, txn: dict[str, Any], entry: dict[str, Any] | None = None) -> dict[str, Any]:
     """Release the lease of `txn` without applying anything; keep `entry` (a rejected update) in the audit."""
-    transaction = Transaction.model_validate(txn)
+    transaction = _transaction(txn)
+    given = _audit_input(entry)
     ledger = _ledger(self)
     released = ledger.release(transaction.id)
-    if entry is not None and _rank(self) == 0:
-        ledger.keep({**entry, "settings_version": ledger.version})
+    if given is not None and _rank(self) == 0:
+        ledger.keep_rejected(given, transaction.id)
     return _reply(LeaseReply(rank=_rank(self), released=released, version=ledger.version))
 
 
 def my_pkg_audit(self: Any) -> dict[str, Any]:
     """The audit entries this worker keeps, oldest first (rank 0 of each engine keeps them; others send none)."""
-    entries = list(_ledger(self).entries) if _rank(self) == 0 else []
+    entries = _ledger(self).entries() if _rank(self) == 0 else []
     return _reply(AuditReply(rank=_rank(self), entries=entries))
 
 

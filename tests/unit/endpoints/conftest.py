@@ -334,3 +334,112 @@ async def app_client(monkeypatch, engine, make_app, client_for):
     app = await make_app(engine)
     async with client_for(app, token=ADMIN_TOKEN) as c:
         yield c
+
+
+class FakeEngines:
+    """`engines` engines (dp ranks 0..n-1) of `world_size` workers each, shared by any number of API servers
+    (each gets a :meth:`view`), with faults to inject: the workers run the real worker methods
+    (`FakeEngineClient`), their leases follow `clock` (seconds, moved by the test), and every commit that ran
+    on an engine is recorded in `commits` (transaction id -> dp ranks)."""
+
+    def __init__(self, engines: int = 2, world_size: int = 2) -> None:
+        self.engines = [FakeEngineClient(world_size=world_size) for _ in range(engines)]
+        self.clock = [1000.0]
+        #: (method, dp_rank) -> (exception, when): the next such call fails once, "before" it runs (nothing
+        #: happens on the engine) or "after" (it ran, its reply is lost).
+        self.faults: dict[tuple[str, int], tuple[BaseException, str]] = {}
+        self.fired: list[tuple[str, int, str]] = []
+        self.commits: dict[str, set[int]] = {}
+        for dp in range(engines):
+            self._set_clock(dp)
+
+    def _set_clock(self, dp: int) -> None:
+        from my_pkg.engine.admin_state import ledger_of
+
+        for worker in self.engines[dp].workers:
+            ledger_of(worker).clock = lambda: self.clock[0]
+
+    def restart(self, dp: int, new_pids: bool = False) -> None:
+        """What a new engine process starts with: default settings, no ledger (version 0, no audit); with
+        `new_pids`, its workers answer with other pids (as the API server then sees a restart)."""
+        from my_pkg.engine.admin_state import WORKER_ATTR
+
+        if new_pids:
+            fake = self.engines[dp]
+            fake.pids = {rank: pid + 100 for rank, pid in fake.pids.items()}
+        for worker, fh in zip(self.engines[dp].workers, self.engines[dp].fh):
+            if hasattr(worker, WORKER_ATTR):
+                delattr(worker, WORKER_ATTR)
+            fh.update(enabled=True, n_probes=4, dense_batch_threshold=32)
+        self._set_clock(dp)
+
+    async def call(self, dp: int, method: str, args: tuple) -> list:
+        fault = self.faults.pop((method, dp), None)
+        if fault is not None and fault[1] == "before":
+            self.fired.append((method, dp, "before"))
+            raise fault[0]
+        replies = await self.engines[dp].collective_rpc(method, args=args)
+        if method == contract.FLASHHEAD_COMMIT:
+            self.commits.setdefault(args[1]["id"], set()).add(dp)
+        if fault is not None:
+            self.fired.append((method, dp, "after"))
+            raise fault[0]
+        return replies
+
+    def view(self) -> EngineView:
+        return EngineView(self)
+
+    def held(self) -> list[tuple[int, int, int, tuple]]:
+        """(dp_rank, rank, version, (enabled, n_probes, dense_batch_threshold)) of every worker."""
+        from my_pkg.engine.admin_state import ledger_of
+
+        return [
+            (dp, rank, ledger_of(worker).version, (fh["enabled"], fh["n_probes"], fh["dense_batch_threshold"]))
+            for dp, fake in enumerate(self.engines)
+            for rank, (worker, fh) in enumerate(zip(fake.workers, fake.fh))
+        ]
+
+
+class EngineView:
+    """One API server's engine client over `FakeEngines`, as vLLM's DP client has it; `hold[(method, dp)]`
+    (an `asyncio.Event`) holds that call of this API server until it is set, `waiting` says which is held."""
+
+    def __init__(self, engines: FakeEngines) -> None:
+        self.shared = engines
+        self.errored = False
+        self.hold: dict[tuple[str, int], asyncio.Event] = {}
+        self.waiting: set[tuple[str, int]] = set()
+        n = len(engines.engines)
+        self.engine_core = SimpleNamespace(
+            core_engines=[dp.to_bytes(2, "little") for dp in range(n)],
+            engine_ranks_managed=list(range(n)),
+            call_utility_all_async=self._call_all,
+            _call_utility_async=self._call_one,
+        )
+
+    async def _call(self, dp: int, method: str, args: tuple) -> list:
+        gate = self.hold.get((method, dp))
+        if gate is not None:
+            self.waiting.add((method, dp))
+            try:
+                await gate.wait()
+            finally:
+                self.waiting.discard((method, dp))
+        return await self.shared.call(dp, method, args)
+
+    async def _call_one(self, utility: str, method: str, timeout, args, kwargs, *, engine: bytes) -> list:
+        assert utility == "collective_rpc" and timeout is None
+        return await self._call(self.engine_core.core_engines.index(engine), method, args)
+
+    async def _call_all(self, utility: str, method: str, timeout, args, kwargs) -> list:
+        assert utility == "collective_rpc" and timeout is None
+        return list(await asyncio.gather(*(self._call(dp, method, args) for dp in range(len(self.shared.engines)))))
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return await self._call(0, method, args)
+
+
+@pytest.fixture
+def fake_engines_cls():
+    """``fake_engines_cls(engines=2, world_size=2)`` -> `FakeEngines` (engines shared by API servers, faults)."""
+    return FakeEngines

@@ -4,6 +4,7 @@ count, failed authentication counted and logged rate-limited, tokens only as per
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 
 import pytest
@@ -45,12 +46,20 @@ async def test_mutations_and_refusals_are_recorded_apart_and_logged(app, client_
     assert first["token_source"] == "MY_PKG_ADMIN_TOKEN" and first["token_fingerprint"] == fingerprint(ADMIN)
     assert first["update"] == {"n_probes": 6} and first["settings_version"] == 1 and first["engines"] == [0]
     assert first["api_server"] == body["api_server"] and first["transaction"]
-    assert [b["n_probes"] for b in first["before"]] == [4, 4]
+    assert first["settings"] == {"enabled": True, "n_probes": 6, "dense_batch_threshold": 32}
+    assert [(b["dp_rank"], b["rank"], b["n_probes"]) for b in first["before"]] == [(0, 0, 4)]
     assert first["client"] and first["method"] == "PUT" and first["path"] == URL
+    assert mutations[1]["error_type"] == "invalid_update" and mutations[1]["count"] == 1
     assert refusals[0]["role"] == "read" and refusals[0]["token_source"] == "MY_PKG_READ_TOKEN"
     assert ADMIN not in str(body) and READER not in str(body)
-    logged = [m for m in plugin_log.messages(logging.INFO) if '"change-42"' in m]
-    assert logged == [] or all('"result": "applied"' in m for m in logged)
+    # The durable audit: one JSON line per applied and per rejected update, with the outcome on every engine.
+    lines = [json.loads(m) for m in plugin_log.messages(logging.INFO) if m.startswith("{")]
+    outcomes = [(line["result"], line.get("status_code")) for line in lines if line.get("transaction")]
+    assert outcomes == [("applied", 200), ("rejected", 409)]
+    applied = next(line for line in lines if line["result"] == "applied")
+    assert applied["transaction"] == first["transaction"] and applied["request_id"] == "change-42"
+    assert applied["outcomes"] == [{"dp_rank": 0, "outcome": "committed", "settings_version": 1}]
+    assert applied["settings"] == first["settings"] and applied["settings_version"] == 1
 
 
 async def test_the_fingerprint_is_an_hmac_not_a_plain_hash():

@@ -81,14 +81,23 @@ async def test_valid_update_applied_on_all_workers(app_client, engine):
     assert [w["settings_version"] for w in body["workers"]] == [1, 1]
     # then the background refresh of the snapshot for vLLM's /metrics
     assert engine.methods[:3] == ["my_pkg_flashhead_prepare", "my_pkg_flashhead_commit", "my_pkg_status"]
-    # only the given fields are sent, first, then the transaction (and, to commit, the audit entry)
+    # the prepare gets the given fields; the commit the whole settings (the update over those in force), the
+    # transaction and the caller for the audit (the worker writes the outcome, time and version itself)
     assert engine.calls[0]["args"][0] == {"n_probes": 8, "enabled": False}
-    assert engine.calls[1]["args"][0] == {"n_probes": 8, "enabled": False}
-    assert engine.calls[0]["args"][1]["id"] == engine.calls[1]["args"][1]["id"]
-    assert engine.calls[1]["args"][1]["new_version"] == 1 and engine.calls[1]["args"][2]["result"] == "applied"
+    assert engine.calls[1]["args"][0] == {"n_probes": 8, "enabled": False, "dense_batch_threshold": 32}
+    assert body["settings"] == {"n_probes": 8, "enabled": False, "dense_batch_threshold": 32}
+    assert engine.calls[0]["args"][1]["id"] == engine.calls[1]["args"][1]["id"] == body["transaction"]
+    assert engine.calls[1]["args"][1]["new_version"] == 1 and engine.calls[1]["args"][2]["role"] == "admin"
+    assert "result" not in engine.calls[1]["args"][2]
     assert _state(engine) == [(False, 8, 32), (False, 8, 32)]
     status = await app_client.get(URL)
-    assert status.json()["settings_version"] == 1 and status.headers["ETag"] == '"1"'
+    assert status.json()["settings_version"] == 1 and status.json()["consistent"] is True
+    assert status.headers["ETag"] == status.json()["etag"] == body["etag"] == r.headers["ETag"]
+    assert status.headers["ETag"].startswith('"1.')
+    assert [(h["settings_version"], h["settings"]["n_probes"]) for h in status.json()["engine_settings"]] == [
+        (1, 8),
+        (1, 8),
+    ]
 
 
 async def test_threshold_zero_is_valid(app_client, engine):
@@ -136,10 +145,27 @@ async def test_if_match_applies_only_on_that_version(app_client, engine, assert_
     err = assert_error(
         await app_client.put(URL, json={"n_probes": 6}, headers={"If-Match": '"0"'}), 409, "version_conflict"
     )
-    assert err["settings_version"] == 1
+    assert err["settings_version"] == 1 and err["etag"].startswith('"1.') and len(err["engine_settings"]) == 2
     assert _state(engine) == [(True, 5, 32), (True, 5, 32)]
     assert (await app_client.put(URL, json={"n_probes": 6}, headers={"If-Match": "1"})).status_code == 200
     assert_error(await app_client.put(URL, json={"n_probes": 7}, headers={"If-Match": "soon"}), 422)
+
+
+async def test_if_match_with_the_etag_compares_every_engines_settings(app_client, engine, assert_error):
+    etag = (await app_client.get(URL)).headers["ETag"]
+    assert (await app_client.put(URL, json={"n_probes": 5}, headers={"If-Match": etag})).status_code == 200
+    assert_error(await app_client.put(URL, json={"n_probes": 6}, headers={"If-Match": etag}), 409, "version_conflict")
+    etag = (await app_client.get(URL)).headers["ETag"]
+    # Same version, other settings on one worker (what a restarted worker would show): another ETag.
+    engine.fh[1]["n_probes"] = 9
+    err = assert_error(
+        await app_client.put(URL, json={"enabled": False}, headers={"If-Match": etag}), 409, "version_conflict"
+    )
+    assert err["etag"] != etag and [h["settings"]["n_probes"] for h in err["engine_settings"]] == [5, 9]
+    assert_error(await app_client.put(URL, json={"enabled": False}, headers={"If-Match": "1"}), 409, "version_conflict")
+    assert [fh["enabled"] for fh in engine.fh] == [True, True]  # nothing applied, every lease released
+    assert (await app_client.put(URL, json={"enabled": False})).status_code == 200
+    assert _state(engine) == [(False, 5, 32), (False, 5, 32)]  # whole settings: worker 1 is back in line
 
 
 async def test_an_update_held_by_another_api_server_is_409_with_the_holder(app_client, engine, assert_error):
@@ -181,9 +207,14 @@ async def test_validate_reply_malformed_applies_nothing(app_client, engine, asse
 
 async def test_apply_failure_is_503_with_note(app_client, engine, assert_error):
     engine.errors["my_pkg_flashhead_commit"] = RuntimeError("apply broke")
-    err = assert_error(await app_client.put(URL, json={"n_probes": 4}), 503, "worker_error")
+    err = assert_error(await app_client.put(URL, json={"n_probes": 6}), 503, "worker_error")
     assert "apply broke" in err["message"]  # the admin role sees the worker's text
-    assert "may now differ" in err["note"]
+    assert "nothing was applied" in err["note"] and err["committed_engines"] == []
+    assert err["transaction"] and err["consistent"] is True
+    assert [h["settings"]["n_probes"] for h in err["engine_settings"]] == [4, 4]
+    del engine.errors["my_pkg_flashhead_commit"]
+    # every lease was released: a retry succeeds at once
+    assert (await app_client.put(URL, json={"n_probes": 6})).status_code == 200
 
 
 async def test_engine_half_missing_on_put(app_client, engine, assert_error):

@@ -60,7 +60,7 @@ async def test_metrics_route(app, client_for):
                 "fidelity_rows",
                 "fidelity_agreed",
                 "rows_verify",
-                "rows_verify_pinned",
+                "rows_masked",
                 "rows_draft",
                 "stage1_exchanges",
             )

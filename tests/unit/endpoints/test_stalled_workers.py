@@ -72,7 +72,7 @@ async def test_a_late_reply_is_dropped_and_the_next_call_gets_its_own(stalled, e
 async def test_an_update_whose_wait_expires_is_still_applied_on_every_worker(stalled, engine, assert_error):
     c, handler = stalled
     err = assert_error(await c.put(FLASHHEAD, json={"n_probes": 3}), 504, "timeout_error")
-    assert "still pending" in err["note"]
+    assert "outcome is not known" in err["note"] and err["transaction"]
     # A second update while the first is unanswered is refused, not queued behind it.
     busy = assert_error(await c.put(FLASHHEAD, json={"n_probes": 5}), 409, "update_in_progress")
     assert busy["update"] == {"n_probes": 5} and "settings_version" in busy  # as last seen (none yet here)

@@ -180,7 +180,10 @@ REPLY_MODELS = {
     contract.FLASHHEAD_APPLY: (contract.CommitReply, ({"n_probes": 2},)),
     contract.FLASHHEAD_PREPARE: (contract.PrepareReply, ({"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5})),
     contract.FLASHHEAD_ABORT: (contract.LeaseReply, ({"id": "t", "holder": "h", "lease_s": 5},)),
-    contract.FLASHHEAD_COMMIT: (contract.CommitReply, ({"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5})),
+    contract.FLASHHEAD_COMMIT: (
+        contract.CommitReply,
+        ({"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5, "new_version": 1}),
+    ),
     contract.AUDIT: (contract.AuditReply, ()),
 }
 
@@ -222,6 +225,8 @@ def flashhead_worker(worker, monkeypatch):
 def test_every_reply_is_its_contract_model_with_nothing_undeclared(flashhead_worker, method):
     """Every key a worker sends is declared by the contract: a key the controller adds shows up here first."""
     model, args = REPLY_MODELS[method]
+    if method == contract.FLASHHEAD_COMMIT:  # a commit needs the lease its prepare takes
+        rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5})
     reply = model.model_validate(rpc.WORKER_METHODS[method](flashhead_worker, *args))
 
     def undeclared(value):
@@ -285,10 +290,7 @@ def test_prepare_takes_the_lease_and_a_second_transaction_finds_it_busy(flashhea
     second = rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("b", "server-b"))
     assert not second["granted"] and second["conflict"] == "busy" and second["holder"] == "server-a"
     done = rpc.my_pkg_flashhead_commit(
-        flashhead_worker,
-        {"n_probes": 5},
-        _txn("a", new_version=1),
-        {"time": "t", "result": "applied", "status_code": 200, "transaction": "a"},
+        flashhead_worker, {"n_probes": 5}, _txn("a", new_version=1), {"request_id": "r1", "role": "admin"}
     )
     assert done["settings_version"] == 1 and done["n_probes"] == 5
     assert rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("b"))["granted"]
@@ -312,26 +314,137 @@ def test_a_lapsed_lease_is_taken_over_and_its_late_commit_refused(flashhead_work
     time.sleep(0.01)
     assert rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("next"))["granted"]
     with pytest.raises(RuntimeError, match="lapsed"):
-        rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("crashed"))
+        rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("crashed", new_version=1))
+    assert rpc.my_pkg_flashhead_status(flashhead_worker)["n_probes"] == 4
+
+
+def test_a_late_commit_after_the_taker_committed_and_released_is_refused(flashhead_worker):
+    """Review 2 #1 (r2): the lease is gone (taken, committed, released), so the old transaction's commit must not
+    apply on top of the newer version."""
+    import time
+
+    assert rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 8}, _txn("a", lease_s=0.001))["granted"]
+    time.sleep(0.01)
+    assert rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn("b"))["granted"]
+    assert rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("b", new_version=1))["n_probes"] == 5
+    with pytest.raises(RuntimeError, match="does not hold this worker's lease"):
+        rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 8}, _txn("a", new_version=1))
+    with pytest.raises(RuntimeError, match="does not hold this worker's lease"):
+        rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 8}, _txn("a", new_version=2))
+    status = contract.WorkerStatus.model_validate(rpc.my_pkg_status(flashhead_worker))
+    assert status.settings_version == 1 and status.flashhead.n_probes == 5
+
+
+def test_a_commit_without_a_prepare_or_after_an_abort_is_refused(flashhead_worker):
+    with pytest.raises(RuntimeError, match="does not hold"):
+        rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 1}, _txn("never", new_version=1))
+    rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("a"))
+    assert rpc.my_pkg_flashhead_abort(flashhead_worker, _txn("a"))["released"]
+    with pytest.raises(RuntimeError, match="does not hold"):
+        rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 6}, _txn("a", new_version=1))
+    assert rpc.my_pkg_flashhead_status(flashhead_worker)["n_probes"] == 4
+
+
+def test_a_commit_refuses_a_version_that_does_not_increase_or_moved_since_the_prepare(flashhead_worker):
+    rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("a"))
+    rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 6}, _txn("a", new_version=3))
+    rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 7}, _txn("b"))
+    for version in (None, 2, 3):
+        with pytest.raises(RuntimeError, match="not above"):
+            rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 7}, _txn("b", new_version=version))
+    # A lapsed lease nobody took is still the transaction's, but not once the version moved under it.
+    from my_pkg.engine.admin_state import ledger_of
+
+    ledger_of(flashhead_worker).version = 4  # e.g. an in-process `my_pkg_flashhead_apply` in between
+    with pytest.raises(RuntimeError, match="moved from 3 to 4"):
+        rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 7}, _txn("b", new_version=5))
+    assert rpc.my_pkg_flashhead_status(flashhead_worker)["n_probes"] == 6
+
+
+def test_a_repeated_commit_answers_the_same_and_applies_nothing_twice(flashhead_worker):
+    rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 6}, _txn("a"))
+    first = rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 6}, _txn("a", new_version=1))
+    again = rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 6}, _txn("a", new_version=1))
+    assert again == first and again["settings_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("txn", "expected"),
+    [
+        (_txn(lease_s=1e12), "lease_s"),  # r7: a lease until the restart
+        (_txn(lease_s=0), "lease_s"),
+        (_txn(new_version=10**15), "new_version"),  # beyond what If-Match accepts
+        (_txn(new_version=-1), "new_version"),
+        (_txn(id_="x" * 65), "id"),
+        (_txn(id_="a b"), "id"),
+        ({**_txn(), "extra": 1}, "extra"),
+        ("not a dict", "invalid transaction"),
+    ],
+)
+def test_worker_methods_check_the_transaction_against_the_contract(flashhead_worker, txn, expected):
+    """Review 2 #8 (r7): whatever reaches `collective_rpc` (vLLM's dev-mode route included) is checked."""
+    for call in (
+        lambda: rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, txn),
+        lambda: rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, txn),
+        lambda: rpc.my_pkg_flashhead_abort(flashhead_worker, txn),
+    ):
+        with pytest.raises(ValueError, match=expected):
+            call()
+    from my_pkg.engine.admin_state import ledger_of
+
+    assert ledger_of(flashhead_worker).lease is None
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"result": "applied", "settings_version": 10**15},  # the worker writes these itself
+        {"time": "2026-01-01T00:00:00Z"},
+        {"role": "x" * 201},
+        {"update": {"n_probes": 0}},
+    ],
+)
+def test_an_audit_entry_must_be_the_contracts_and_is_stamped_by_the_worker(flashhead_worker, entry):
+    flashhead_worker.rank = 0
+    rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn("a"))
+    with pytest.raises(ValueError, match="invalid audit entry"):
+        rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("a", new_version=1), entry)
+    assert (
+        rpc.my_pkg_flashhead_status(flashhead_worker)["n_probes"] == 4
+        and rpc.my_pkg_audit(flashhead_worker)["entries"] == []
+    )
 
 
 def test_commit_and_abort_keep_the_audit_on_rank_0_only(flashhead_worker):
     flashhead_worker.rank = 0
     rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn("a"))
-    entry = {
-        "time": "2026-01-01T00:00:00Z",
-        "result": "applied",
-        "status_code": 200,
-        "transaction": "a",
-        "token_source": "MY_PKG_ADMIN_TOKEN",
-    }
-    rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("a"), entry)
-    rpc.my_pkg_flashhead_abort(flashhead_worker, _txn("b"), {**entry, "result": "rejected", "transaction": "b"})
+    entry = {"request_id": "r1", "token_source": "MY_PKG_ADMIN_TOKEN", "update": {"n_probes": 5}}
+    rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("a", new_version=1), entry)
+    rpc.my_pkg_flashhead_abort(flashhead_worker, _txn("b"), {**entry, "status_code": 409, "error_type": "invalid"})
     entries = rpc.my_pkg_audit(flashhead_worker)["entries"]
-    assert [(e["result"], e["settings_version"]) for e in entries] == [("applied", 1), ("rejected", 1)]
+    assert [(e["result"], e["settings_version"], e["transaction"]) for e in entries] == [
+        ("applied", 1, "a"),
+        ("rejected", 1, "b"),
+    ]
     assert entries[0]["token_source"] == "MY_PKG_ADMIN_TOKEN"  # the plugin's own fields are not redacted
+    assert entries[0]["settings"] == {"n_probes": 5} and entries[0]["status_code"] == 200
     flashhead_worker.rank = 1
     assert rpc.my_pkg_audit(flashhead_worker)["entries"] == []
+
+
+def test_rejections_are_collapsed_per_caller_and_reason_and_never_evict_applied_updates(flashhead_worker, monkeypatch):
+    """Review 2 #6 (r4 b): a flood of rejections costs one counted entry; the applied history stays."""
+    monkeypatch.setenv("MY_PKG_AUDIT_SIZE", "4")
+    flashhead_worker.rank = 0
+    rpc.my_pkg_flashhead_prepare(flashhead_worker, {"n_probes": 5}, _txn("a"))
+    rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 5}, _txn("a", new_version=1), {"role": "admin"})
+    rejection = {"api_server": "h:1/api0", "token_fingerprint": "f1", "status_code": 409, "error_type": "invalid"}
+    for n in range(50):
+        rpc.my_pkg_flashhead_abort(flashhead_worker, _txn(f"r{n}"), {**rejection, "reason": f"attempt {n}"})
+    rpc.my_pkg_flashhead_abort(flashhead_worker, _txn("other"), {**rejection, "error_type": "busy"})
+    entries = rpc.my_pkg_audit(flashhead_worker)["entries"]
+    assert [(e["result"], e["count"]) for e in entries] == [("applied", 1), ("rejected", 50), ("rejected", 1)]
+    assert entries[1]["reason"] == "attempt 49" and entries[1]["first_time"] <= entries[1]["time"]
 
 
 def test_status_carries_the_settings_version(flashhead_worker):
