@@ -133,9 +133,10 @@ VARIABLES: dict[str, EnvVar] = {
             "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD",
             None,
             integer_or("never", 0),
-            "decode steps with more rows use the dense head; `never`: none do",
+            "decode steps with more rows use the dense head (exact logits); `never`: none do",
             _ENGINE,
-            default_doc="unset: a CPU head is timed beside the dense head at start-up; steps it serves faster go dense",
+            default_doc="unset: no step goes dense for its size; a CPU head is timed at start-up to pick each step's "
+            "cheaper way to FlashHead's answer",
         ),
         EnvVar(
             "MY_PKG_FLASHHEAD_PROBE_SAMPLING",
@@ -173,6 +174,13 @@ VARIABLES: dict[str, EnvVar] = {
             100,
             integer(0),
             "one FlashHead row in N also checked against the dense head (0: off)",
+            _ENGINE,
+        ),
+        EnvVar(
+            "MY_PKG_FAST_TOP_P",
+            True,
+            flag,
+            "0 keeps vLLM's CPU top-k/top-p, which sorts every row, instead of the sort-free exact one",
             _ENGINE,
         ),
         # endpoint half (API server)

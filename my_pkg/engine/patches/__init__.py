@@ -8,6 +8,8 @@ raises), and is idempotent. Two moments install them:
    - `worker`: adds the `my_pkg_*` methods (`my_pkg.engine.rpc`) to vLLM's `WorkerBase`.
    - `model_registry`: registers the `FlashHead*` architectures, each mapped to vLLM's own
      class (`flashhead_model_entry`).
+   - `top_p_sampler`: vLLM's CPU top-k/top-p masks without sorting every row (the same law,
+     `my_pkg.sampling.top_p`); off with `MY_PKG_FAST_TOP_P=0`.
 2. `on_flashhead_model()`, called by that registry entry when vLLM resolves a `FlashHead*`
    architecture, right before it builds the model: `FLASHHEAD_HOOKS`.
    - `logits_processor`: an out-of-tree `LogitsProcessor` that serves the decode steps through
@@ -35,7 +37,7 @@ VLLM_SYMBOLS = (*attributes("vllm.config:VllmConfig", "use_v2_model_runner"),)
 logger = logging.getLogger(f"vllm.{__name__}")
 
 #: Applied by `my_pkg.engine.register()` in every process.
-PATCHES = ("worker", "model_registry")
+PATCHES = ("worker", "model_registry", "top_p_sampler")
 #: Installed by `on_flashhead_model()`, once a FlashHead model is about to be built.
 FLASHHEAD_HOOKS = ("logits_processor", "model_loader", "model_runner", "model_runner_v2", "spec_proposer")
 
