@@ -5,8 +5,8 @@ CPU), one thread each. Each rank holds vLLM's ``ParallelLMHead`` over its half o
 its weight loader and set up as vLLM's loader does) and our ``LogitsProcessor`` subclass with a FlashHead
 controller (random balanced clusters, the builder's default probes, a fitted sampled-row estimate). Each
 rank builds its head and times it alone (``build_head``, as right after the weights load); then every step
-runs through the processor as the model runner calls it, armed with the step's rows: the stage-1 exchange
-unless the ranks agreed to skip it, the rank's shard, vLLM's logits gather. Against vLLM's own
+runs through the processor as the model runner calls it, armed with the step's rows: the stage-1 exchange,
+the rank's shard (each rank the way it finds cheaper), vLLM's logits gather. Against vLLM's own
 ``LogitsProcessor.forward`` (its product for the head and the same gather), in paired rounds, for greedy,
 sampled and mixed (every other row sampled) steps. A ratio below 1.0 is a step served slower than dense.
 
@@ -48,7 +48,7 @@ WORLD = 2
 
 def _served_as(controller: Any, before: tuple[int, int, int], batch: int) -> str:
     """How this rank served the step it just served (`served_step._plan_taken`), with `+x` when the step exchanged
-    its best clusters; `before`: the counters' FlashHead rows, slower-than-dense rows and exchanges before it."""
+    its best clusters; `before`: the counters' FlashHead rows, masked rows and exchanges before it."""
     exchanged = controller.counters.stage1_exchanges > before[2]
     return _plan_taken(controller, before[:2], batch) + ("+x" if exchanged else "")
 
@@ -131,7 +131,7 @@ def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
                         counters = controller.counters
                         before = (
                             counters.rows_flashhead,
-                            counters.rows_dense["slower_than_dense"],
+                            counters.rows_flashhead_masked,
                             counters.stage1_exchanges,
                         )
                         served()
@@ -146,7 +146,6 @@ def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
                             for k, v in line["kinds"].items()
                         )
                         print(f"  B={batch:4d}: {text}", flush=True)
-            out["agreed"] = controller.dense_from_agreed
             out["exchanges"] = controller.counters.stage1_exchanges
             return out
         finally:
@@ -187,8 +186,8 @@ def to_markdown(results: dict[int, dict], args: argparse.Namespace, machine: str
         "rank's shard, vLLM's logits gather), against vLLM's own `LogitsProcessor.forward` (its product and the "
         f"same gather), {args.rounds} paired rounds of {args.repeats} calls (median) on rank 0's wall clock. "
         "Ratio = dense / served, median of the rounds (lowest..highest). Each cell says how each rank served the "
-        "step (`rank 0 / rank 1` where they differ): `flashhead` as asked, `sampled_dense` its sampled rows dense, "
-        "`dense` every row; `+x`: the step exchanged its best clusters (no `+x`: skipped on both ranks).",
+        "step (`rank 0 / rank 1` where they differ): `flashhead` FlashHead's kernels, `masked` the dense product "
+        "masked to FlashHead's answer (the same logits); `+x`: the step exchanged its best clusters.",
         "",
     ]
     for rank in range(WORLD):
@@ -199,13 +198,13 @@ def to_markdown(results: dict[int, dict], args: argparse.Namespace, machine: str
             out.append(
                 f"Rank {rank}, built and timed in {results[rank]['build_s']:.1f} s, at {costs.batches} rows (ms): "
                 f"dense {_rounded(costs.dense_ms)}, greedy {_rounded(costs.greedy_ms)}, sampled "
-                f"{_rounded(costs.sampled_ms)}, mixed {_rounded(costs.mixed_ms)}; every step dense from "
-                f"{costs.dense_from} rows."
+                f"{_rounded(costs.sampled_ms)}, mixed {_rounded(costs.mixed_ms)}, masked greedy "
+                f"{_rounded(costs.masked_greedy_ms)}, masked sampled {_rounded(costs.masked_sampled_ms)}."
             )
         out.append("")
     out.append(
-        f"Agreed at the exchanges: every step dense from {first['agreed']} rows; steps that exchanged: "
-        f"{first['exchanges']} on rank 0, {results[1]['exchanges']} on rank 1 (warm-up calls included)."
+        f"Steps that exchanged: {first['exchanges']} on rank 0, {results[1]['exchanges']} on rank 1 (warm-up calls "
+        "included)."
     )
     out += ["", "| batch | dense ms | " + " | ".join(KINDS) + " |", "|---:|---:|" + "---|" * len(KINDS)]
     for index, line in enumerate(first["rows"]):

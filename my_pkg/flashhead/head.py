@@ -459,6 +459,60 @@ class FlashHead:
             )
         return logits
 
+    def masked_logits(
+        self,
+        hidden: torch.Tensor,
+        exact: torch.Tensor,
+        *,
+        sampled: torch.Tensor | np.ndarray | None = None,
+        pinned: torch.Tensor | None = None,
+        postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        probes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`step_logits`'s answer for the same rows, made from ``exact`` (``[B, >= vocab_size]``: every
+        token's post-processed logit, e.g. the dense head's product) instead of FlashHead's own scoring.
+
+        Each row keeps exactly the tokens :meth:`step_logits` scores exactly (a greedy row its candidates, a
+        sampled row its candidates and best-estimated tokens, every row the ``pinned`` ids), with their values
+        read from ``exact``; everything else is what :meth:`step_logits` gives there (``-inf``, or a sampled
+        row's estimate).  The same tokens, chosen the same way; the exact values are equal up to how the two
+        products round (bit for bit where they round alike, as a bfloat16 head does).  Serving uses it when
+        the dense product is the cheaper way to a step's FlashHead rows: which kernel serves a step then never
+        changes a row's answer.
+        """
+        hidden = self._check_hidden(hidden)
+        num_rows = hidden.shape[0]
+        if exact.dim() != 2 or exact.shape[0] != num_rows or exact.shape[1] < self.vocab_size:
+            raise ValueError(f"exact must be [{num_rows}, >= {self.vocab_size}], got {tuple(exact.shape)}")
+        exact = exact[:, : self.vocab_size]
+        post = postprocess if postprocess is not None else _identity
+        mask = _host_mask(sampled, num_rows)
+        if mask is None:
+            mask = np.zeros(num_rows, dtype=bool)
+        out = torch.full_like(exact, float("-inf"))
+        for rows_sampled in (False, True):
+            chosen = np.flatnonzero(mask == rows_sampled)
+            if not chosen.size:
+                continue
+            index = index_tensor(chosen, hidden.device)
+            part_hidden = hidden.index_select(0, index)
+            part_exact = exact.index_select(0, index)
+            width = self.sampled_n_probes if rows_sampled else self._n_probes
+            part_probes = None if probes is None else probes.index_select(0, index)
+            ids = torch_ref.candidate_ids(self.members, self._probes(part_hidden, part_probes, width))
+            part = torch.full_like(part_exact, float("-inf"))
+            if rows_sampled and self._sampled_rank:
+                raw = self._tail_tables().estimates(part_hidden)
+                best = self._rescored(raw, ids)
+                part = post(raw).to(exact.dtype)
+                if best is not None:
+                    ids = torch.cat([ids, best], dim=1)
+            part.scatter_(1, ids, part_exact.gather(1, ids))
+            out.index_copy_(0, index, part)
+        if pinned is not None and pinned.numel():
+            out[:, pinned] = exact[:, pinned]
+        return out
+
     def probe_width(self, all_sampled: bool, any_sampled: bool) -> int:
         """Clusters :meth:`step_logits` needs chosen per row for a batch whose rows all sample, or some:
         ``sampled_n_probes`` for sampled rows, ``n_probes`` for greedy ones, the larger for a mixed batch."""

@@ -1,9 +1,10 @@
-"""Which rows of a decode step FlashHead or the dense head serves faster, measured on this machine.
+"""How a decode step's FlashHead rows are served fastest, measured on this machine.
 
-Where FlashHead stops paying depends on the machine, the dtype, the head's shape and the kind of rows:
+Where FlashHead's kernels stop paying depends on the machine, the dtype, the head's shape and the kind of rows:
 a dense head whose product is a packed GEMM costs little more for 8 rows than for one, while each
 FlashHead row costs its own candidates (a sampled row its estimate too).  Instead of a table of
-known machines, :func:`measure_step_costs` times both on this one, on the head as it will serve, at
+known machines, :func:`measure_step_costs` times the dense head, FlashHead's kernels and the masked way
+(below) on this one, on the head as it will serve, at
 batches of 1, 2, 4, ... rows (as many as a time budget allows), and :class:`StepCosts` predicts a
 step's cost from the measured points:
 
@@ -11,22 +12,21 @@ step's cost from the measured points:
   sampled step time at ``s``; a step with both costs the two added, less what the measured mixed steps
   (every other row sampled) of ``g + s`` rows saved on such a sum; each FlashHead row adds the live
   fidelity check's share of a dense row; rows served dense cost the dense head's time at their count;
+* the masked way costs one dense product of the step's rows, plus what masking cost over the dense product
+  in the timed masked steps of each kind;
 * between measured batches the times are interpolated linearly; beyond the largest measured batch each
   side's time grows at the rate it grew between the last two (a dense GEMM costs less per row at 32
   rows than at 8, so growing in proportion would overstate it).
 
-:meth:`StepCosts.plan` picks the cheapest of three ways to serve a step: every row as asked
-(``flashhead``), the sampled rows on the dense head and the greedy ones on FlashHead (``sampled_dense``),
-or every row on the dense head (``dense``).  A way that uses FlashHead counts 10 % more: a step within
-10 % of a tie goes wholly to the dense head, whose logits are exact, so that a prediction somewhat off
-near the tie does not make the step slower than dense (the start-up times of one head varied by 10–20 %
-at some batches from one run to the next on a shared 2-core machine, docs/benchmarks.md).  The margin
-covers the dense rows of a step split between the heads too: such a step adds two timings' errors, and
-puts its logits together from both heads' outputs, which no timing sees.  An exact tie goes to the way
-with more dense rows.
+:meth:`StepCosts.plan` picks the cheaper of two ways to serve a step's FlashHead rows, which give every row
+the same answer: FlashHead's own kernels (``flashhead``), or vLLM's dense product for the whole step with
+each FlashHead row masked to FlashHead's answer (``masked``, :meth:`FlashHead.masked_logits`: stage 1 and,
+for sampled rows, the estimate, then the dense head's values on the tokens FlashHead scores exactly).  Rows
+that need exact logits are served by the dense product on either way, and never move their neighbours.
+FlashHead's kernels keep a step unless the masked way is predicted at least 10 % cheaper: the choice only
+costs time, and a prediction near a tie is as likely off either way.
 
-Tensor-parallel ranks time their own parts and exchange their timings once (:func:`pack_costs`,
-:func:`unpack_costs`); :func:`slowest_costs` makes them one, from which every rank plans alike.
+Tensor-parallel ranks time and choose for their own parts: the ways differ in cost only.
 Imports torch and numpy only.
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Literal
 
@@ -45,47 +45,45 @@ import torch
 __all__ = [
     "MEASURED_BATCHES",
     "MEASURE_BUDGET_S",
-    "PACKED_COSTS",
     "StepCosts",
     "StepPlan",
     "measure_step_costs",
-    "pack_costs",
-    "retime_greedy",
-    "slowest_costs",
-    "unpack_costs",
 ]
 
-#: How a step's rows are served: as asked, its sampled rows dense, or every row dense.
-StepPlan = Literal["flashhead", "sampled_dense", "dense"]
+#: Which kernel serves a step's FlashHead rows: FlashHead's own, or the dense product masked to FlashHead's answer.
+StepPlan = Literal["flashhead", "masked"]
 
 #: Batches :func:`measure_step_costs` times, in this order, until its budget is spent.
 MEASURED_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Seconds :func:`measure_step_costs`'s first pass may spend before it starts another batch (batch 1 is always
 #: timed); its second pass over the same batches takes about as long again.
 MEASURE_BUDGET_S = 4.0
-#: float64 values :func:`pack_costs` packs a timing into: the batches, then the dense, greedy, sampled and mixed times
-#: at each, each padded to ``len(MEASURED_BATCHES)`` with NaN.
-PACKED_COSTS = 5 * len(MEASURED_BATCHES)
+#: The timed sides of a :class:`StepCosts`.
+_SIDES = ("dense_s", "greedy_s", "sampled_s", "mixed_s", "masked_greedy_s", "masked_sampled_s")
 
 
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds of one step (the fastest of a few runs) at each of ``batches`` rows: the dense head, FlashHead
     with every row greedy, FlashHead with every row sampled (None when sampled rows are served as greedy
-    ones), and FlashHead with every other row sampled (``mixed_s``: NaN at one row, which cannot mix; None
-    when not timed)."""
+    ones), FlashHead with every other row sampled (``mixed_s``: NaN at one row, which cannot mix; None
+    when not timed), and the masked way (the dense product, then :meth:`FlashHead.masked_logits`) with every
+    row greedy and every row sampled (None when not timed: FlashHead's kernels serve every step)."""
 
     batches: tuple[int, ...]
     dense_s: tuple[float, ...]
     greedy_s: tuple[float, ...]
     sampled_s: tuple[float, ...] | None
     mixed_s: tuple[float, ...] | None = None
-    #: FlashHead's predicted time counts this many times over (the module docstring says why).
+    masked_greedy_s: tuple[float, ...] | None = None
+    masked_sampled_s: tuple[float, ...] | None = None
+    #: The masked way serves a step only when predicted this much cheaper than FlashHead's kernels.
     margin: float = 1.1
 
     def __post_init__(self) -> None:
-        sizes = {len(self.batches), len(self.dense_s), len(self.greedy_s)}
-        for times in (self.sampled_s, self.mixed_s):
+        sizes = {len(self.batches)}
+        for name in _SIDES:
+            times = getattr(self, name)
             if times is not None:
                 sizes.add(len(times))
         if self.mixed_s is not None and self.sampled_s is None:
@@ -140,99 +138,40 @@ class StepCosts:
         """Predicted seconds of the dense head for a step of ``rows`` rows."""
         return self._at(self.dense_s, rows) if rows else 0.0
 
+    def masked_s(self, greedy: int, sampled: int, dense: int = 0) -> float:
+        """Predicted seconds of the masked way for a step of ``greedy`` and ``sampled`` FlashHead rows and ``dense``
+        rows that need the dense head: one dense product of every row, plus what masking cost over the dense
+        product in the timed masked steps of each kind (sampled rows as greedy ones when they were not timed);
+        ``inf`` when the masked way was not timed."""
+        if self.masked_greedy_s is None:
+            return math.inf
+        masked_sampled = self.masked_sampled_s if self.masked_sampled_s is not None else self.masked_greedy_s
+        extra = 0.0
+        for rows, masked in ((greedy, self.masked_greedy_s), (sampled, masked_sampled)):
+            if rows:
+                extra += max(0.0, self._at(masked, rows) - self.dense_s_at(rows))
+        return self.dense_s_at(greedy + sampled + dense) + extra
+
     def plan(self, greedy: int, sampled: int, dense: int = 0, *, check_every: int = 0) -> StepPlan:
-        """The cheapest way to serve a step whose ``greedy`` and ``sampled`` rows FlashHead may serve and
-        whose ``dense`` rows need the dense head anyway. ``check_every`` > 0: one FlashHead row in that many
-        also gets the dense head's logits (the live fidelity check), a dense row's time each."""
+        """The cheaper way to a step whose ``greedy`` and ``sampled`` rows get FlashHead's answer and whose
+        ``dense`` rows need the dense head either way: FlashHead's kernels (and the dense head for the ``dense``
+        rows), or the masked way (:meth:`masked_s`), which must be ``margin`` times cheaper.  ``check_every``
+        > 0: one FlashHead row in that many also gets the dense head's logits on FlashHead's kernels (the live
+        fidelity check), a dense row's time each."""
         if greedy + sampled == 0:
             return "flashhead"
         check_s = self.dense_s_at(1) / check_every if check_every > 0 else 0.0
+        kernels = self.flashhead_s(greedy, sampled) + (greedy + sampled) * check_s + self.dense_s_at(dense)
+        return "masked" if self.margin * self.masked_s(greedy, sampled, dense) < kernels else "flashhead"
 
-        def served(greedy: int, sampled: int, dense: int) -> float:
-            flashhead = self.flashhead_s(greedy, sampled) + (greedy + sampled) * check_s
-            return self.margin * (flashhead + self.dense_s_at(dense))
-
-        costs: dict[StepPlan, float] = {
-            "dense": self.dense_s_at(greedy + sampled + dense),
-            "sampled_dense": served(greedy, 0, sampled + dense) if sampled else math.inf,
-            "flashhead": served(greedy, sampled, dense),
-        }
-        return min(costs, key=costs.__getitem__)  # the first of equal costs: more rows exact
-
-    def dense_from(self, *, sampled: bool, check_every: int = 0) -> int | None:
-        """The smallest measured batch at which a step of only greedy (or only sampled) rows is not served
-        by FlashHead, None when FlashHead serves it at every measured batch."""
+    def masked_from(self, *, sampled: bool, check_every: int = 0) -> int | None:
+        """The smallest timed batch at which a step of only greedy (or only sampled) rows is served the masked
+        way, None when FlashHead's kernels serve it at every timed batch."""
         for rows in self.batches:
             greedy_rows, sampled_rows = (0, rows) if sampled else (rows, 0)
             if self.plan(greedy_rows, sampled_rows, check_every=check_every) != "flashhead":
                 return rows
         return None
-
-    def dense_from_every_kind(self, *, check_every: int = 0) -> int | None:
-        """The smallest timed batch from which a step is served dense whatever its rows (greedy only, sampled only
-        or every other row sampled), at that batch and every larger timed one; None when FlashHead serves some
-        kind at the largest.  Tensor-parallel ranks serve every step from this batch of their agreed timing
-        (:func:`slowest_costs`) dense, without their stage-1 exchange."""
-        found = None
-        for rows in reversed(self.batches):
-            kinds = [(rows, 0)]
-            if self.sampled_s is not None:  # sampled only, and mixed as the mixed steps were timed
-                kinds += [(0, rows), (rows - rows // 2, rows // 2)]
-            if any(self.plan(greedy, sampled, check_every=check_every) != "dense" for greedy, sampled in kinds):
-                return found
-            found = rows
-        return found
-
-
-def pack_costs(costs: StepCosts | None) -> torch.Tensor:
-    """``costs`` as ``PACKED_COSTS`` float64 values (all NaN for None, or for a timing at more batches than
-    ``MEASURED_BATCHES``), for :func:`unpack_costs` on another process."""
-    width = len(MEASURED_BATCHES)
-    table = torch.full((5, width), math.nan, dtype=torch.float64)
-    if costs is not None and len(costs.batches) <= width:
-        for side, times in enumerate((costs.batches, costs.dense_s, costs.greedy_s, costs.sampled_s, costs.mixed_s)):
-            if times is not None:
-                table[side, : len(times)] = torch.tensor(times, dtype=torch.float64)
-    return table.flatten()
-
-
-def unpack_costs(packed: torch.Tensor) -> StepCosts | None:
-    """The timing :func:`pack_costs` packed (None for none)."""
-    table = packed.detach().to(device="cpu", dtype=torch.float64).reshape(5, -1)
-    timed = int((~torch.isnan(table[0])).sum())
-    if timed == 0:
-        return None
-
-    def side(index: int) -> tuple[float, ...] | None:
-        times = tuple(float(t) for t in table[index, :timed])
-        return None if index >= 3 and all(math.isnan(t) for t in times) else times
-
-    return StepCosts(tuple(int(b) for b in table[0, :timed]), side(1), side(2), side(3), side(4))
-
-
-def slowest_costs(timings: Sequence[StepCosts | None]) -> StepCosts | None:
-    """One timing for tensor-parallel ranks that timed their own parts: each side's time at each batch is the slowest
-    rank's (a step lasts as long as its slowest rank: vLLM's logits gather waits for every rank), at the batches
-    every rank timed.  None when some rank has no timing, or no batch is common; a side some rank did not time
-    (sampled or mixed steps) is left out."""
-    if not timings or any(costs is None for costs in timings):
-        return None
-    batches = sorted(set.intersection(*(set(costs.batches) for costs in timings)))
-    if not batches:
-        return None
-
-    def side(name: str) -> tuple[float, ...] | None:
-        tables = [getattr(costs, name) for costs in timings]
-        if any(times is None for times in tables):
-            return None
-        at = [dict(zip(costs.batches, times, strict=True)) for costs, times in zip(timings, tables, strict=True)]
-        slowest = [[times[b] for times in at] for b in batches]
-        return tuple(math.nan if any(map(math.isnan, ts)) else max(ts) for ts in slowest)  # NaN: one row, no mix
-
-    sampled = side("sampled_s")
-    return StepCosts(
-        tuple(batches), side("dense_s"), side("greedy_s"), sampled, side("mixed_s") if sampled is not None else None
-    )
 
 
 def _fastest_s(runs: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float]) -> dict[str, float]:
@@ -286,6 +225,7 @@ def measure_step_costs(
     *,
     dtype: torch.dtype,
     sampled_rows: bool,
+    masked_step: Callable[[torch.Tensor, np.ndarray], object] | None = None,
     batches: Sequence[int] = MEASURED_BATCHES,
     budget_s: float = MEASURE_BUDGET_S,
     repeats: int = 2,
@@ -293,7 +233,8 @@ def measure_step_costs(
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepCosts:
     """Time ``dense_step(hidden)`` and ``flashhead_step(hidden, sampled)`` (greedy rows, then, when
-    ``sampled_rows``, sampled rows and mixed steps of every other row sampled) on random CPU hidden states at
+    ``sampled_rows``, sampled rows and mixed steps of every other row sampled), and with ``masked_step`` the
+    masked way (greedy rows, and sampled rows when ``sampled_rows``) on random CPU hidden states at
     each of ``batches`` rows, ``repeats`` times after one untimed call, the sides taking turns, until
     ``budget_s`` is spent; then ``passes - 1`` more times over the batches the first pass reached.  Each
     side's time is its fastest run (another process's work only ever adds time; the first pass over fresh
@@ -317,6 +258,10 @@ def measure_step_costs(
             runs["sampled"] = partial(flashhead_step, part, np.ones(rows, dtype=bool))
             if rows >= 2:
                 runs["mixed"] = partial(flashhead_step, part, _mixed(rows))
+        if masked_step is not None:
+            runs["masked_greedy"] = partial(masked_step, part, np.zeros(rows, dtype=bool))
+            if sampled_rows:
+                runs["masked_sampled"] = partial(masked_step, part, np.ones(rows, dtype=bool))
         return runs
 
     fastest = _time_batches(runs_at, batches, budget_s=budget_s, repeats=repeats, passes=passes, clock=clock)
@@ -327,40 +272,11 @@ def measure_step_costs(
         tuple(fastest[rows]["greedy"] for rows in measured),
         tuple(fastest[rows]["sampled"] for rows in measured) if sampled_rows else None,
         tuple(fastest[rows].get("mixed", math.nan) for rows in measured) if sampled_rows else None,
+        tuple(fastest[rows]["masked_greedy"] for rows in measured) if masked_step is not None else None,
+        tuple(fastest[rows]["masked_sampled"] for rows in measured) if masked_step and sampled_rows else None,
     )
 
 
 def _mixed(rows: int) -> np.ndarray:
     """Every other row sampled."""
     return np.arange(rows) % 2 == 1
-
-
-def retime_greedy(
-    costs: StepCosts,
-    flashhead_step: Callable[[torch.Tensor, np.ndarray], object],
-    hidden_size: int,
-    *,
-    dtype: torch.dtype,
-    repeats: int = 2,
-    passes: int = 1,
-    clock: Callable[[], float] = time.perf_counter,
-) -> StepCosts:
-    """``costs`` with its greedy rows, and the mixed steps that hold some, timed again at its batches, as
-    :func:`measure_step_costs` times them but in one pass (the head's memory is no longer fresh, and the engine
-    waits for it): a greedy row's cost follows the head's probe count, the dense head's and a sampled row's do
-    not (about a quarter of the first timing's time)."""
-    hidden = _hidden(costs.batches[-1], hidden_size, dtype)
-    mixed = costs.mixed_s is not None
-
-    def runs_at(rows: int) -> dict[str, Callable[[], object]]:
-        runs = {"greedy": partial(flashhead_step, hidden[:rows], np.zeros(rows, dtype=bool))}
-        if mixed and rows >= 2:
-            runs["mixed"] = partial(flashhead_step, hidden[:rows], _mixed(rows))
-        return runs
-
-    fastest = _time_batches(runs_at, costs.batches, budget_s=math.inf, repeats=repeats, passes=passes, clock=clock)
-    return replace(
-        costs,
-        greedy_s=tuple(fastest[rows]["greedy"] for rows in costs.batches),
-        mixed_s=tuple(fastest[rows].get("mixed", math.nan) for rows in costs.batches) if mixed else None,
-    )

@@ -50,16 +50,6 @@ def _server(model: Path, logs: Path, name: str, env: dict[str, str | None], args
     return VllmServer(model=str(model), args=list(args), env=base_env, log_path=logs / f"{name}.log")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def flashhead_at_every_batch() -> Iterator[None]:
-    """Every server and `LLM` these tests start serves FlashHead at every batch: the tiny model's head is so
-    small that, timed beside the dense head (the default when no threshold is set), every step would go
-    dense. `measured_server` leaves the variable unset to test that default."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", "never")
-        yield
-
-
 @pytest.fixture(scope="session")
 def e2e_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("e2e")
@@ -153,26 +143,6 @@ def tp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def tp2_measured_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """Tensor parallel 2 with no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`: each rank times its own part when the
-    model loads, and the ranks agree through the stage-1 exchange on the batch they serve dense from."""
-    with _server(
-        flashhead_model,
-        logs_dir,
-        "tp2-measured",
-        {
-            "VLLM_PLUGINS": BOTH_HALVES,
-            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-            "MY_PKG_ADMIN_TOKEN": "tp2-token",
-            "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
-            "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD": None,
-        },
-        ["--tensor-parallel-size", "2"],
-    ) as server:
-        yield server
-
-
 @pytest.fixture(scope="session")
 def lora_adapter(base_model: Path, e2e_dir: Path) -> Path:
     return build_tiny_lora(e2e_dir / "tiny-lora", base_model)
@@ -244,24 +214,6 @@ def features_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServe
             "--max-num-seqs",
             "8",
         ],
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def measured_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """The FlashHead model with no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`: its head timed beside the dense
-    head at start-up decides which steps go dense."""
-    with _server(
-        flashhead_model,
-        logs_dir,
-        "measured",
-        {
-            "VLLM_PLUGINS": BOTH_HALVES,
-            "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
-            "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
-            "MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD": None,
-        },
     ) as server:
         yield server
 

@@ -1,12 +1,12 @@
-"""FlashHead verifying n-gram speculative decoding in a real vLLM server (V1 runner on CPU): greedy
-answers equal FlashHead without speculation token for token (and the dense head's at full probes), the
-status route reports each part,
-verify rows are counted, sampled verify rows get their draft scored exactly; prints acceptance with FlashHead verify
-next to the dense head on the same server (`PUT enabled`)."""
+"""FlashHead verifying n-gram speculative decoding in a real vLLM server (V1 runner on CPU), with the default
+settings: greedy answers at concurrency 8 equal FlashHead without speculation token for token (and the dense
+head's at full probes), the status route reports each part, verify rows are counted and served as without
+speculation; prints acceptance with FlashHead verify next to the dense head on the same server (`PUT enabled`)."""
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from e2e_support import ADMIN_TOKEN, NUM_CLUSTERS, auth, client
@@ -89,12 +89,13 @@ def test_greedy_answers_equal_flashhead_without_speculation_and_verify_rows_are_
         status = _status(http)
         assert status["active"] and status["reason_code"] is None
         spec = status["spec"]
-        assert spec["method"] == "ngram" and spec["pin_drafts"]
+        assert spec["method"] == "ngram" and "pin_drafts" not in spec
         assert spec["verify"] == {"active": True, "reason": None, "reason_code": None}
         assert not spec["draft"]["active"] and spec["draft"]["reason_code"] == "no_draft_head"
         before, (accepted0, drafted0) = status["counters"], _spec_counts(http)
 
-        answers = [_tokens(http, prompt) for prompt in PROMPTS]
+        with ThreadPoolExecutor(8) as pool:  # concurrency 8: steps of several requests' verify and bonus rows
+            answers = list(pool.map(lambda prompt: _tokens(http, prompt), PROMPTS))
         for prompt, got, expected in zip(PROMPTS, answers, reference):
             assert got == expected, prompt
 
@@ -132,8 +133,8 @@ def test_every_cluster_probed_verifies_as_the_dense_head_does(ngram_server: Vllm
     assert after["fallbacks"] == before["fallbacks"]
 
 
-def test_sampled_verify_rows_score_their_drafts_exactly(ngram_server: VllmServer):
-    """Sampled requests: verify rows served by FlashHead with their draft pinned, no fallback. (A seeded
+def test_sampled_verify_rows_are_served_by_flashhead(ngram_server: VllmServer):
+    """Sampled requests: verify rows served by FlashHead as without speculation, no fallback. (A seeded
     request does not reproduce its text under n-gram speculation on vLLM 0.32's CPU build, with the
     dense head either, so no reproduction is asserted here.)"""
     with client(ngram_server) as http:
@@ -141,9 +142,7 @@ def test_sampled_verify_rows_score_their_drafts_exactly(ngram_server: VllmServer
         for prompt in PROMPTS[:4]:
             assert len(_tokens(http, prompt, temperature=0.3, seed=1234)) == 32
         after = _status(http)["counters"]
-        assert after["rows_flashhead_verify_pinned"] > before["rows_flashhead_verify_pinned"]
-        pinned = after["rows_flashhead_verify_pinned"] - before["rows_flashhead_verify_pinned"]
-        assert pinned <= after["rows_flashhead_verify"] - before["rows_flashhead_verify"]
+        assert after["rows_flashhead_verify"] > before["rows_flashhead_verify"]
         assert after["fallbacks"] == before["fallbacks"]
 
 

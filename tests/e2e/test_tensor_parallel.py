@@ -1,5 +1,5 @@
-"""FlashHead over vLLM's vocab-parallel head: tensor parallel 2 on CPU (two worker processes), with a fixed
-threshold (`never`) and with the start-up timing."""
+"""FlashHead over vLLM's vocab-parallel head: tensor parallel 2 on CPU (two worker processes), with the default
+settings (each rank times its own part at start-up and serves each step the way it finds cheaper)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from e2e_support import DEFAULT_PROBES, NUM_CLUSTERS, auth, client
-
-from my_pkg.flashhead.step_costs import StepCosts, slowest_costs
 
 pytestmark = pytest.mark.e2e
 
@@ -86,43 +84,28 @@ def test_few_probes_at_tp2_still_serve_sampled_and_greedy_requests(tp2_server):
             _put(http, {"n_probes": DEFAULT_PROBES})
 
 
-def _costs(report: dict) -> StepCosts:
-    def seconds(side: str) -> tuple[float, ...] | None:
-        times = report[side]
-        return tuple(float("nan") if ms is None else ms / 1e3 for ms in times) if times is not None else None
-
-    return StepCosts(
-        tuple(report["batches"]), *(seconds(side) for side in ("dense_ms", "greedy_ms", "sampled_ms", "mixed_ms"))
-    )
-
-
-def test_timed_ranks_plan_alike_and_exchange_alike(tp2_measured_server):
-    """Each rank times its own part at start-up; the first decode step's exchange gives both ranks the slowest of
-    their times, from which they plan every step alike and skip the exchange where every step goes dense (counted
-    the same on both); the tokens stay the dense ones at full probes."""
-    model = str(tp2_measured_server.model)
-    with client(tp2_measured_server) as http:
+def test_each_rank_times_itself_and_both_exchange_on_every_step_alike(tp2_server):
+    """Each rank times its own part at start-up and takes its own way per step (the ways differ in cost only): the
+    ranks need no agreement on timings, exchange their best clusters on every armed step (counted the same on both),
+    and the tokens at full probes stay the dense ones."""
+    model = str(tp2_server.model)
+    with client(tp2_server) as http:
         for status in _statuses(http):
             report = status["step_costs"]
             assert status["active"] is True and report is not None, status
-            assert report["batches"][0] == 1 and report["dense_from_agreed"] is None  # no step yet
+            assert report["batches"][0] == 1 and report["masked_greedy_ms"] is not None
         try:
             _put(http, {"enabled": False})
             dense = _greedy_tokens(http, model)
-            _put(http, {"enabled": True, "n_probes": NUM_CLUSTERS})  # re-times the greedy rows on both ranks
-            timed = _statuses(http)
+            _put(http, {"enabled": True, "n_probes": NUM_CLUSTERS})
+            before = [status["counters"]["stage1_exchanges"] for status in _statuses(http)]
             flash = _greedy_tokens(http, model)
             after = _statuses(http)
         finally:
             _put(http, {"enabled": True, "n_probes": DEFAULT_PROBES})
     assert flash == dense
-    agreed = slowest_costs([_costs(status["step_costs"]) for status in timed])
-    expected = agreed.dense_from_every_kind() if agreed is not None else None  # no fidelity check under TP
-    assert [status["step_costs"]["dense_from_agreed"] for status in after] == [expected, expected]
-    exchanges = [status["counters"]["stage1_exchanges"] for status in after]
-    assert exchanges[0] == exchanges[1] >= 1, after
-    if expected == 1:  # every step dense on both ranks: only the first step after the update exchanged
-        assert exchanges[0] == 1, after
-        assert after[0]["counters"]["rows_dense"] == after[1]["counters"]["rows_dense"]
+    exchanges = [status["counters"]["stage1_exchanges"] - seen for status, seen in zip(after, before)]
+    assert exchanges[0] == exchanges[1] >= 15, after  # every decode step of the 16-token answers
     for status in after:
         assert status["counters"]["fallbacks"] == 0, status
+        assert "slower_than_dense" not in status["counters"]["rows_dense"], status

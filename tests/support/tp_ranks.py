@@ -4,13 +4,14 @@ Each rank builds vLLM's `ParallelLMHead` (loaded by its own weight loader) and o
 runs decode steps through vLLM's TP group: the stage-1 exchange and vLLM's gather are the real collectives.
 Rank 0 puts the gathered logits of each scenario on the queue.
 
-The last scenarios time each rank's head for real (no collective), then give the ranks different timings, so
-that the batch they agree to serve dense from, through the stage-1 exchange, is known.
+The last scenarios time each rank's head for real (no collective) and serve a step a different way on each rank
+(the ways differ in cost only), then make the ranks agree at load, as vLLM's model loader hook does, with one
+rank that cannot serve FlashHead (its assets unreadable, or no controller at all): every rank must serve dense,
+and no rank may wait in an exchange another skips.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import traceback
 from typing import Any
@@ -104,18 +105,9 @@ def _scenarios(rank: int, port: int) -> dict[str, Any]:
     return results
 
 
-def _rank_costs(rank: int) -> Any:
-    """Rank 0's FlashHead pays at one row only, rank 1's at one and two (0.5 s where it pays, 2 s where not; the
-    dense head 1 s at every batch): the slowest of them pays at one row only."""
-    from my_pkg.flashhead.step_costs import StepCosts
-
-    flash = (0.5, 2.0, 2.0) if rank == 0 else (0.5, 0.5, 2.0)
-    return StepCosts((1, 2, 3), (1.0, 1.0, 1.0), flash, flash, (math.nan, *flash[1:]))
-
-
 def _timed_scenarios(rank: int, lm_head: Any, processor: Any, hidden: Any, centroids: Any, assignments: Any) -> dict:
-    from my_pkg.contract import FlashHeadUpdate
     from my_pkg.engine.flashhead import FlashHeadController, StepRows
+    from my_pkg.engine.flashhead.timing import StepWays
     from my_pkg.engine.patches import logits_processor
 
     del os.environ["MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD"]
@@ -123,28 +115,67 @@ def _timed_scenarios(rank: int, lm_head: Any, processor: Any, hidden: Any, centr
     processor._my_pkg_flashhead = timed
     logits_processor.build_head(timed, lm_head)  # as after the weights load: built, warmed up, timed alone
     results: dict[str, Any] = {f"own_timing_{rank}": _sides(timed.step_costs)}
-    timed.arm(lambda: StepRows(np.zeros(1, np.uint8), np.zeros(1, bool)))
-    processor(lm_head, hidden[:1])  # the first exchange carries both real timings through vLLM's all-gather
-    results[f"agreed_timing_{rank}"] = _sides(timed.agreed_costs)
-    timed.apply(FlashHeadUpdate(enabled=True))  # an update on every rank: the agreement is forgotten
-    timed.step_costs = _rank_costs(rank)
-    counters = timed.counters
-    base = (counters.stage1_exchanges, counters.rows_dense["slower_than_dense"], counters.rows_flashhead)
-    results[f"dense_from_{rank}"] = timed.dense_from()
-    for name, rows in (("three_rows", 3), ("two_rows", 2), ("one_row", 1)):
-        step_rows = StepRows(np.zeros(rows, np.uint8), np.arange(rows) % 2 == 1)
-        timed.arm(lambda step_rows=step_rows: step_rows)
-        logits = processor(lm_head, hidden[:rows])
+    rows = StepRows(np.zeros(3, np.uint8), np.array([False, True, False]))
+    ways = []
+    for forced in ("flashhead", "masked"):
+        # Rank 0 takes `forced`, rank 1 FlashHead's kernels: the gathered logits must not change.
+        timed.ways = StepWays(_forcing(timed.step_costs, forced if rank == 0 else "flashhead"))
+        timed.arm(lambda: rows)
+        logits = processor(lm_head, hidden)
         if rank == 0:
-            results[name] = logits.numpy().copy()
-        results[f"{name}_{rank}"] = {
-            "agreed": timed.dense_from_agreed,
-            "exchanges": counters.stage1_exchanges - base[0],
-            "slower": counters.rows_dense["slower_than_dense"] - base[1],
-            "flashhead": counters.rows_flashhead - base[2],
-            "fallbacks": timed.counters.fallbacks,
-        }
+            results[f"ways_{forced}"] = logits.numpy().copy()
+        ways.append(timed.counters.rows_flashhead_masked)
+    results[f"masked_rows_{rank}"] = ways
+    results[f"exchanges_{rank}"] = timed.counters.stage1_exchanges
+    for failing in (0, 1):
+        for cause in ("assets_invalid", "no_controller"):
+            results.update(_agreed_at_load(rank, failing, cause, lm_head, hidden, centroids, assignments))
     return results
+
+
+def _forcing(costs: Any, way: str) -> Any:
+    """`costs` with the masked way far cheaper (`masked`) or far dearer (`flashhead`) than FlashHead's kernels."""
+    from dataclasses import replace
+
+    far = 1e-9 if way == "masked" else 1e3
+    return replace(costs, masked_greedy_s=(far,) * len(costs.batches), masked_sampled_s=(far,) * len(costs.batches))
+
+
+def _agreed_at_load(
+    rank: int, failing: int, cause: str, lm_head: Any, hidden: Any, centroids: Any, assignments: Any
+) -> dict:
+    """A fresh model on every rank, where rank `failing` cannot serve (`cause`); the load hook's agreement, then one
+    armed decode step."""
+    from types import SimpleNamespace
+
+    from my_pkg.engine.flashhead import FlashHeadController, StepRows
+    from my_pkg.engine.patches import logits_processor, model_loader
+
+    processor = logits_processor.subclass()(VOCAB)
+    controller = FlashHeadController(
+        centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB
+    )
+    processor._my_pkg_flashhead = controller
+    if rank == failing:
+        if cause == "assets_invalid":
+            controller.make_unavailable("assets_invalid", "FlashHead assets could not be loaded: no such file")
+        else:
+            processor._my_pkg_flashhead = None
+    model = torch.nn.ModuleDict({"logits_processor": processor})
+    model_config = SimpleNamespace(hf_config=SimpleNamespace(flash_head_cache_dir="flash_head_assets"))
+    model_loader.build_after_loading(model, model_config)
+    model_loader.agree_after_loading(model, model_config, torch.device("cpu"))
+    rows = StepRows(np.zeros(3, np.uint8), np.zeros(3, bool))
+    if processor._my_pkg_flashhead is not None:
+        processor._my_pkg_flashhead.arm(lambda: rows)
+    logits = processor(lm_head, hidden)
+    name = f"agreed_{cause}_fails_on_{failing}"
+    out: dict[str, Any] = {}
+    if rank == 0:
+        out[name] = logits.numpy().copy()
+    own = processor._my_pkg_flashhead
+    out[f"{name}_{rank}"] = None if own is None else (own.status().reason_code, own.counters.stage1_exchanges)
+    return out
 
 
 def _sides(costs: Any) -> tuple | None:

@@ -18,7 +18,7 @@ def test_every_kind_and_batch_is_timed_with_the_plan_the_start_up_timing_gives(m
     assert set(result["rows"][1]["kinds"]) == {"greedy", "sampled", "mixed"}
     for line in result["rows"]:
         for timing in line["kinds"].values():
-            assert timing["plan"] in ("flashhead", "sampled_dense", "dense")
+            assert timing["plan"] in ("flashhead", "masked")
             assert timing["ms"] > 0 and timing["min"] <= timing["ratio"] <= timing["max"]
     markdown = served_step.to_markdown([result], torch.float32, 2, "test machine")
     assert "4,096 × 32" in markdown and "| 8 |" in markdown

@@ -16,11 +16,12 @@ or a worker). Its life, in order:
 3. Each decode step: the model runner arms it with the step's rows (`arm`, `StepRows`), and
    `compute_logits` serves every row that may use FlashHead with `FlashHead.step_logits` (exact
    candidate logits and -inf elsewhere for greedy rows, estimates elsewhere for sampled rows,
-   exact logits for the pinned ids) and the other rows with vLLM's dense logits; where the timing
-   predicts the dense head faster, the step's sampled rows or all its rows go dense. Under tensor
-   parallelism the logits processor first exchanges each rank's best clusters (`exchange_width`,
-   `stage1_payload`; the first exchange also the ranks' timings, from which every rank then plans
-   alike: `agreed_costs`) and `compute_logits` probes the clusters chosen from all of them.
+   exact logits for the pinned ids) and the other rows with vLLM's dense logits. Where the dense
+   product is the cheaper way (`timing.StepWays`), the FlashHead rows are made from it instead, masked to
+   FlashHead's answer (`FlashHead.masked_logits`): which way serves a step never changes a row's tokens.
+   Under tensor parallelism the logits processor first exchanges each rank's best clusters
+   (`exchange_width`, `stage1_payload`) and `compute_logits` probes the clusters chosen from all of them;
+   whether a rank serves FlashHead at all was agreed by every rank when the model loaded (`agree`).
 4. The admin API: `status()` (a `FlashHeadState`), `validate(update)` and `apply(update)` (a
    `FlashHeadUpdate`; the contract already checked its types, this checks what the model decides).
 
@@ -34,8 +35,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +56,13 @@ from my_pkg.contract import (
 from my_pkg.engine.flashhead.pins import PinnedRows
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.spec import effective as effective_spec
-from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer
+from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer, RecentSteps
+from my_pkg.engine.flashhead.timing import StepWays
 from my_pkg.flashhead.layout import hidden_major
 from my_pkg.flashhead.probes import NO_KEY, ShardStage1, merge_probes
 from my_pkg.flashhead.settings import default_settings
 from my_pkg.flashhead.staging import index_tensor
-from my_pkg.flashhead.step_costs import (
-    PACKED_COSTS,
-    StepCosts,
-    StepPlan,
-    measure_step_costs,
-    pack_costs,
-    retime_greedy,
-    slowest_costs,
-    unpack_costs,
-)
+from my_pkg.flashhead.step_costs import StepCosts, measure_step_costs
 from my_pkg.flashhead.tail_estimate import TailFactors
 
 __all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller"]
@@ -79,9 +73,6 @@ __all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller
 RANK_LOCAL_CODES = frozenset({"build_failed", "warm_up_failed"})
 
 logger = logging.getLogger(f"vllm.{__name__}")
-
-#: A row's dense code, within one step, when the measured costs serve it dense (`slower_than_dense`).
-_SLOWER = max(DenseReason) + 1
 
 NO_ASSETS_REASON = "the model has no FlashHead assets (no flash_head_cache_dir in config.json)"
 DISABLED_REASON = "disabled (MY_PKG_FLASHHEAD=0 or PUT enabled=false)"
@@ -107,6 +98,7 @@ class FlashHeadController:
         #: Scored exactly on every FlashHead row: EOS and special tokens of the model and its tokenizer.
         self.pinned_ids = tuple(sorted({int(i) for i in pinned_ids if 0 <= int(i) < vocab_size}))
         self.counters = Counters()
+        self.recent = RecentSteps()
         self._timer = HeadTimer(self.counters)
         self._fidelity = FidelityCheck(self.counters)
         self._pins: PinnedRows | None = None
@@ -115,17 +107,12 @@ class FlashHeadController:
         self.head: Any = None
         self.vocab_range: tuple[int, int] | None = None  # this rank's vocabulary shard under tensor parallelism
         self.stage1: ShardStage1 | None = None  # this rank's share of the centroids under tensor parallelism
-        #: Where the dense head is faster on this machine, measured at `prepare` (a CPU head; under tensor
-        #: parallelism this rank's own part; its greedy rows timed again when `n_probes` changes).
+        #: What a step costs each way on this machine, measured at `prepare` (a CPU head; under tensor
+        #: parallelism this rank's own part), and the way each step takes, corrected by served steps.
         self.step_costs: StepCosts | None = None
-        #: Under tensor parallelism: the ranks' timings as one (`slowest_costs`), from which every rank plans its
-        #: steps, read from the first stage-1 exchange after start-up or an update (the same on every rank; None
-        #: until then, or when some rank has no timing), and the batch from which it serves every step dense:
-        #: such steps skip the exchange.
-        self.agreed_costs: StepCosts | None = None
-        self.dense_from_agreed: int | None = None
-        self._timings_exchanged = False  # whether an exchange since start-up or the last update carried timings
-        self._carrying_timing = False  # whether this step's payload carries this rank's timing (`stage1_payload`)
+        self.ways = StepWays(None)
+        #: Tensor parallelism: some rank could not serve FlashHead when the model loaded (`agree`): no rank does.
+        self.dense_on_every_rank = False
         self.spec: SpecState | None = None  # speculative decoding's parts (`flashhead/spec.py`), set by its maker
         #: Under speculative decoding, the drafter's own controller when FlashHead serves its head (`draft.py`).
         self.draft: FlashHeadController | None = None
@@ -283,14 +270,12 @@ class FlashHeadController:
 
     def measure_costs(self, dense: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Time this head's steps beside `dense` (vLLM's product for the head) at batches of 1, 2, 4, ...
-        rows (`my_pkg.flashhead.step_costs`): from then on a step that the measurement predicts the dense
-        head serves at least as fast is served dense (`slower_than_dense`). Only when the environment
-        sets no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`, on a CPU head (the host clock times a CPU step,
-        not an accelerator's). Under tensor parallelism each rank times its own part alone, with no
-        collective (its share of stage 1, its candidates, beside its shard of the dense product; the
-        exchange's latency is left out), and the first stage-1 exchange gives every rank all the
-        timings (`stage1_payload`, `agreed_costs`). Never raises: a failed measurement leaves FlashHead
-        on every step, logged."""
+        rows, and the masked way (the dense product masked to FlashHead's answer), `my_pkg.flashhead.step_costs`:
+        the prior from which `ways` chooses each step's way (both give every row the same answer). Only when
+        the environment sets no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`, on a CPU head (the host clock times a
+        CPU step, not an accelerator's). Under tensor parallelism each rank times and chooses for its own part
+        alone (the ways differ in cost only, so the ranks need not agree). Never raises: a failed measurement
+        leaves FlashHead's kernels on every step, logged."""
         head = self.head
         if not self.settings.measure_step_costs or head is None:
             return
@@ -303,45 +288,47 @@ class FlashHeadController:
                 int(head.weight.shape[1]),
                 dtype=head.weight.dtype,
                 sampled_rows=self.settings.probe_sampling,
+                masked_step=self._masked_step(dense),
             )
         )
 
-    def _time_again(self) -> None:
-        """A greedy row's cost follows `n_probes`: a timed head times its greedy rows again at the same batches
-        (a few seconds, between two steps), so that its steps keep going where they are faster."""
-        costs, head = self.step_costs, self.head
-        if costs is None or head is None:
-            return
-        self._timed(lambda step: retime_greedy(costs, step, int(head.weight.shape[1]), dtype=head.weight.dtype))
-
     def _timed(self, measure: Callable[[Callable[[torch.Tensor, np.ndarray], torch.Tensor]], StepCosts]) -> None:
         """`step_costs = measure(step)`, `step` being this head's decode step as `compute_logits` runs it
-        (pinned ids included); on any failure no costs (FlashHead on every step), logged."""
+        (pinned ids included); on any failure no costs (FlashHead's kernels on every step), logged."""
         try:
             with torch.inference_mode():
                 self.step_costs = measure(self._head_step())
-        except Exception as exc:  # noqa: BLE001 - without a measurement FlashHead serves every step
+        except Exception as exc:  # noqa: BLE001 - without a measurement FlashHead's kernels serve every step
             self.step_costs = None
             logger.warning(
                 "my_pkg: FlashHead could not time its steps beside the dense head (%s: %s)", type(exc).__name__, exc
             )
             return
+        self.ways = StepWays(self.step_costs)
         report = self._step_costs_report()
         assert report is not None
         logger.info(
             "my_pkg: FlashHead timed beside the dense head at %s rows: dense %s ms, greedy %s ms, sampled %s ms, "
-            "mixed %s ms; "
-            "steps the dense head serves faster go dense (greedy from %s rows, sampled from %s rows, every step "
-            "from %s rows; MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD=never: FlashHead at every batch)",
+            "masked greedy %s ms, masked sampled %s ms; FlashHead's rows of larger steps are made from the dense "
+            "product (the same tokens) from %s greedy rows, %s sampled rows; served steps correct these times",
             report.batches,
             report.dense_ms,
             report.greedy_ms,
             report.sampled_ms,
-            report.mixed_ms,
-            report.dense_from_greedy or "none",
-            report.dense_from_sampled or "none",
-            report.dense_from or "none",
+            report.masked_greedy_ms,
+            report.masked_sampled_ms,
+            report.masked_from_greedy or "none",
+            report.masked_from_sampled or "none",
         )
+        for name in ("dense_s", "greedy_s"):
+            times = getattr(self.step_costs, name)
+            if any(later < 0.8 * earlier for earlier, later in zip(times, times[1:])):
+                logger.warning(
+                    "my_pkg: FlashHead's start-up timing is not monotonic in the batch (%s: %s ms); the machine was "
+                    "busy while it timed: served steps' own times correct it",
+                    name,
+                    _milliseconds(times),
+                )
 
     def _head_step(self) -> Callable[[torch.Tensor, np.ndarray], torch.Tensor]:
         """This head's decode step on `(hidden, sampled)` as `compute_logits` runs it, pinned ids included (the
@@ -361,6 +348,29 @@ class FlashHeadController:
             if pins is not None:
                 pins.score(logits, hidden, pinned, lambda x: x)
             return logits
+
+        return step
+
+    def _masked_step(
+        self, dense: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[torch.Tensor, np.ndarray], torch.Tensor]:
+        """The masked way's step on `(hidden, sampled)` as `compute_logits` runs it: `dense` (vLLM's product for the
+        head), then every row masked to FlashHead's answer (`FlashHead.masked_logits`)."""
+        head, pins, stage1, width = self.head, self._pins, self.stage1, self._keys_width()
+        assert head is not None
+        pinned = pins.get((), head.weight) if pins is not None else None
+
+        def step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
+            probes = None
+            if stage1 is not None and width is not None:
+                probes = merge_probes(stage1.keys(hidden, width), width, head.num_clusters)
+            return head.masked_logits(
+                hidden,
+                dense(hidden),
+                sampled=sampled if self.settings.probe_sampling else None,
+                pinned=pinned[0] if pinned is not None else None,
+                probes=probes,
+            )
 
         return step
 
@@ -431,27 +441,23 @@ class FlashHeadController:
 
     def exchange_width(self, num_rows: int) -> int | None:
         """Keys each rank sends per row in the stage-1 exchange of an armed step of `num_rows` rows, or None
-        when the step exchanges nothing: FlashHead disabled or off on every rank for a reason of the
-        configuration, a step above `dense_batch_threshold`, or one of `dense_from_agreed` rows or more
-        (served dense on every rank). Read from the settings, the assets, the step's size and the agreed
-        timing only, which every rank holds alike (the admin API updates all ranks between steps; every rank
-        reads the agreed timing from the same exchanged tensor), never from this rank's head or the step's
-        rows: every rank of a step gets the same answer, so all of them or none reach the collective, with
-        the same shape (`stage1_payload`)."""
+        when the step exchanges nothing: FlashHead disabled or off on every rank (`agree`), or a step above
+        `dense_batch_threshold`. Read from the settings, the agreed availability and the step's size only,
+        which every rank holds alike (the admin API updates all ranks between steps), never from this rank's
+        head, timing or the step's rows: every rank of a step gets the same answer, so all of them or none
+        reach the collective, with the same shape (`stage1_payload`)."""
         width = self._keys_width()
         if width is None:
             return None
         threshold = self.settings.dense_batch_threshold
         if threshold is not None and num_rows > threshold:
             return None
-        if self.dense_from_agreed is not None and num_rows >= self.dense_from_agreed:
-            return None
         return width
 
     def _keys_width(self) -> int | None:
         """Keys per row of the stage-1 exchange (None: this model exchanges nothing, `exchange_width`). The width
         covers both kinds of rows: greedy rows probe `n_probes`, sampled rows `sampled_n_probes`."""
-        if not self.settings.enabled or self.num_clusters is None:
+        if not self.settings.enabled or self.num_clusters is None or self.dense_on_every_rank:
             return None
         if not self.available and self.unavailable_code not in RANK_LOCAL_CODES:
             return None
@@ -482,75 +488,43 @@ class FlashHeadController:
     def stage1_payload(
         self, hidden: torch.Tensor, width: int, rows: StepRows | None = None
     ) -> tuple[torch.Tensor, bool]:
-        """`([rows, width (+ PACKED_COSTS)] int64, scored)`: what this rank sends in the stage-1 exchange: its
-        `stage1_keys` and, on the first exchange since start-up or an update of a CPU head whose settings time it,
-        its timing (`pack_costs`, the float64 bits; all NaN where it has none), so that every rank then plans
-        from all of them. Whether the timing travels is alike on every rank, so the shapes match. When the
-        agreed timing serves the whole step dense on every rank (`rows`, alike on every rank), the keys are not
-        scored: no rank probes anything this step. Never raises: whatever fails, the payload keeps its shape
-        (keys that rank this share last, an empty timing; counted)."""
+        """`([rows, width] int64, scored)`: what this rank sends in the stage-1 exchange, its `stage1_keys`. When
+        every row of the step needs the dense head (`rows`, alike on every rank), the keys are not scored: no rank
+        probes anything this step. Never raises: whatever fails, the payload keeps its shape (keys that rank this
+        share last; counted)."""
         num_rows = int(hidden.shape[0])
-        carrying = self.settings.measure_step_costs and not self._timings_exchanged and hidden.device.type == "cpu"
-        # Decided before the collective, alike on every rank, whatever the collective gives.
-        self._carrying_timing, self._timings_exchanged = carrying, self._timings_exchanged or carrying
         try:
             if self._dense_on_every_rank(rows):
-                keys, scored = torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), True
-            else:
-                keys, scored = self.stage1_keys(hidden, width)
-            if not carrying:
-                return keys, scored
-            timing = pack_costs(self.step_costs).view(torch.int64).to(keys.device)
-            return torch.cat([keys, timing.expand(num_rows, -1)], dim=1), scored
+                return torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), True
+            return self.stage1_keys(hidden, width)
         except Exception as exc:  # noqa: BLE001 - the exchange must happen, with its shape, whatever fails here
             self.record_fallback(exc, num_rows)
-            keys = torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device)
-            if not carrying:
-                return keys, False
-            empty = torch.full((num_rows, PACKED_COSTS), math.nan, dtype=torch.float64, device=hidden.device)
-            return torch.cat([keys, empty.view(torch.int64)], dim=1), False
+            return torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), False
 
     def stage1_received(self, gathered: torch.Tensor, width: int) -> torch.Tensor:
-        """Every rank's keys `[rows, tp * width]` from the gathered payloads (`stage1_payload`); where they carry the
-        ranks' timings, every rank reads the same ones and agrees on them (`agreed_costs`, `dense_from_agreed`;
-        none when they cannot be read, which the same tensor gives every rank alike)."""
-        num_rows = int(gathered.shape[0])
-        payloads = gathered.view(num_rows, -1, width + (PACKED_COSTS if self._carrying_timing else 0))
-        if self._carrying_timing:
-            try:
-                timings = [unpack_costs(timing.contiguous().view(torch.float64)) for timing in payloads[0, :, width:]]
-                agreed = slowest_costs(timings)
-                every = self._checked_every()
-                dense_from = agreed.dense_from_every_kind(check_every=every) if agreed is not None else None
-            except Exception as exc:  # noqa: BLE001 - no agreement: FlashHead serves every step, as untimed
-                logger.warning(
-                    "my_pkg: FlashHead ranks could not agree on their timings (%s: %s)", type(exc).__name__, exc
-                )
-                agreed = dense_from = None
-            self.agreed_costs, self.dense_from_agreed = agreed, dense_from
+        """Every rank's keys `[rows, tp * width]` from the gathered payloads (`stage1_payload`)."""
         self.counters.stage1_exchanges += 1
-        return payloads[..., :width].reshape(num_rows, -1)
+        return gathered.reshape(int(gathered.shape[0]), -1)
 
     def _dense_on_every_rank(self, rows: StepRows | None) -> bool:
-        """Whether every rank serves the step of `rows` wholly dense for a reason alike on every rank: each of its
-        rows needs the dense head, or the agreed timing plans it dense. False whenever unsure (never raises)."""
+        """Whether every row of the step of `rows` needs the dense head (alike on every rank). False whenever unsure
+        (never raises)."""
         try:
-            if rows is None:
-                return False
-            if rows.all_dense is not None or bool(np.all(rows.dense_codes)):
-                return True
-            if self.agreed_costs is None or not self.settings.enabled:
-                return False
-            return self._plan(rows, self.agreed_costs) == "dense"
+            return rows is not None and (rows.all_dense is not None or bool(np.all(rows.dense_codes)))
         except Exception:  # noqa: BLE001 - then the keys are scored, as on any step
             return False
 
-    def dense_from(self) -> int | None:
-        """The smallest timed batch from which this rank's own timing serves a step of only greedy, only sampled or
-        half sampled rows dense (`StepCosts.dense_from_every_kind`); None when not timed, or when FlashHead serves
-        some such step at the largest timed batch."""
-        costs = self.step_costs
-        return costs.dense_from_every_kind(check_every=self._checked_every()) if costs is not None else None
+    def agree(self, every_rank_available: bool) -> None:
+        """Tensor parallelism: what the ranks agreed when the model loaded (one collective over the TP group, made by
+        the load hook on every rank alike): when some rank cannot serve FlashHead, none does."""
+        if every_rank_available:
+            return
+        self.dense_on_every_rank = True
+        if self.available:
+            self.head = None
+            self.make_unavailable(
+                "tensor_parallel_rank", "another tensor-parallel rank cannot serve FlashHead; dense head on every rank"
+            )
 
     def compute_logits(
         self,
@@ -580,34 +554,23 @@ class FlashHeadController:
         threshold = self.settings.dense_batch_threshold
         if threshold is not None and num_rows > threshold:
             return self._all_dense(hidden, dense, "batch_threshold")
-        if self.stage1 is not None and exchanged is None:  # no exchange: `dense_from_agreed` rows or more
-            return self._all_dense(hidden, dense, "slower_than_dense")
+        if self.stage1 is not None and exchanged is None:  # the exchange did not happen on this rank
+            return self._all_dense(hidden, dense, "error")
         dense_rows = np.flatnonzero(rows.dense_codes)
-        costs = self.agreed_costs if self.stage1 is not None else self.step_costs
-        if costs is not None:
-            flash_sampled = self._flash_sampled(rows)
-            plan = self._plan(rows, costs)
-            if plan == "dense":
-                return self._all_dense(hidden, dense, "slower_than_dense")
-            if plan == "sampled_dense":
-                rows = replace(rows, dense_codes=np.where(flash_sampled, _SLOWER, rows.dense_codes))
-                dense_rows = np.flatnonzero(rows.dense_codes)
         if dense_rows.size:
-            reasons = np.bincount(rows.dense_codes[dense_rows], minlength=_SLOWER + 1)
+            reasons = np.bincount(rows.dense_codes[dense_rows])
             for code in np.flatnonzero(reasons):
-                label = "slower_than_dense" if code == _SLOWER else DenseReason(code).label
-                self.counters.rows_dense[label] += int(reasons[code])
+                self.counters.rows_dense[DenseReason(code).label] += int(reasons[code])
         if dense_rows.size == num_rows:
             return dense(hidden)
 
-        token = self._timer.start(hidden.device)
+        timed = self.ways.timed
+        started = time.perf_counter() if timed else 0.0
         flash_hidden, sampled, flash_index, flash_rows = hidden, rows.sampled, None, None
-        if dense_rows.size:  # score candidates only for the rows FlashHead serves
+        if dense_rows.size:  # FlashHead's answer only for the rows FlashHead serves
             flash_rows = np.flatnonzero(rows.dense_codes == 0)
             flash_index = index_tensor(flash_rows, hidden.device)
             flash_hidden, sampled = hidden.index_select(0, flash_index), sampled[flash_rows]
-        # What vLLM's sampler gets (the eval measures the same call): candidates, estimated logits
-        # for sampled rows, then every pinned id (EOS, specials, the step's stop ids) exact.
         probes = None
         if exchanged is not None:
             keys = exchanged if flash_index is None else exchanged.index_select(0, flash_index)
@@ -615,83 +578,65 @@ class FlashHeadController:
             if width is None:
                 raise RuntimeError("keys were exchanged on a step without a stage-1 exchange")
             probes = merge_probes(keys, width, self.head.num_clusters)
-        flash_logits = self.head.step_logits(
-            flash_hidden,
-            sampled=sampled if self.settings.probe_sampling else None,
-            postprocess=postprocess,
-            probes=probes,
+        num_sampled = int(np.count_nonzero(sampled)) if self.settings.probe_sampling else 0
+        num_flash = num_rows - int(dense_rows.size)
+        way = self.ways.choose(
+            num_flash - num_sampled, num_sampled, int(dense_rows.size), check_every=self._checked_every()
         )
         assert self._pins is not None
-        self._pins.score(flash_logits, flash_hidden, self._pins.get(rows.stop_ids, self.head.weight), postprocess)
-        if rows.verify_rows is not None:
-            self._score_drafts(flash_logits, flash_hidden, rows, flash_rows, postprocess)
-        if flash_index is None:
-            logits = flash_logits
+        pins = self._pins.get(rows.stop_ids, self.head.weight)
+        rows_sampled = sampled if self.settings.probe_sampling else None
+        if way == "masked":
+            # What FlashHead's kernels would give every FlashHead row, made from the dense product of the step.
+            logits = dense(hidden)
+            part = logits if flash_index is None else logits.index_select(0, flash_index)
+            masked = self.head.masked_logits(
+                flash_hidden,
+                part,
+                sampled=rows_sampled,
+                pinned=pins[0] if pins is not None else None,
+                postprocess=postprocess,
+                probes=probes,
+            )
+            if self.vocab_range is None:  # the live fidelity check against the dense logits already at hand
+                self._fidelity.check(
+                    self.settings.fidelity_every, flash_hidden, masked, None, lambda rows: part[: rows.shape[0]]
+                )
+            logits = masked if flash_index is None else logits.index_copy_(0, flash_index, masked.to(logits.dtype))
+            self.counters.rows_flashhead_masked += num_flash
         else:
-            logits = torch.empty((num_rows, self.head.vocab_size), dtype=flash_logits.dtype, device=hidden.device)
-            logits.index_copy_(0, flash_index, flash_logits)
-        self._timer.stop(token)
-        if self.vocab_range is None:  # a shard's best token says nothing of the row's
-            self._fidelity.check(self.settings.fidelity_every, flash_hidden, logits, flash_index, dense)
-        if dense_rows.size:
-            index = index_tensor(dense_rows, hidden.device)
-            logits[index] = dense(hidden.index_select(0, index)).to(logits.dtype)
-        self.counters.rows_flashhead += num_rows - int(dense_rows.size)
+            token = self._timer.start(hidden.device)
+            # What vLLM's sampler gets (the eval measures the same call): candidates, estimated logits
+            # for sampled rows, then every pinned id (EOS, specials, the step's stop ids) exact.
+            flash_logits = self.head.step_logits(
+                flash_hidden, sampled=rows_sampled, postprocess=postprocess, probes=probes
+            )
+            self._pins.score(flash_logits, flash_hidden, pins, postprocess)
+            if flash_index is None:
+                logits = flash_logits
+            else:
+                logits = torch.empty((num_rows, self.head.vocab_size), dtype=flash_logits.dtype, device=hidden.device)
+                logits.index_copy_(0, flash_index, flash_logits)
+            self._timer.stop(token)
+            if self.vocab_range is None:  # a shard's best token says nothing of the row's
+                self._fidelity.check(self.settings.fidelity_every, flash_hidden, logits, flash_index, dense)
+            if dense_rows.size:
+                index = index_tensor(dense_rows, hidden.device)
+                logits[index] = dense(hidden.index_select(0, index)).to(logits.dtype)
+        if rows.verify_rows is not None:
+            self.counters.rows_flashhead_verify += int(np.count_nonzero(rows.dense_codes[rows.verify_rows] == 0))
+        self.counters.rows_flashhead += num_flash
+        self.recent.add(num_flash - num_sampled, num_sampled, int(dense_rows.size), num_flash if way == "masked" else 0)
+        if timed:
+            self.ways.observe(
+                num_flash - num_sampled, num_sampled, int(dense_rows.size), way, time.perf_counter() - started
+            )
         return logits
-
-    def _flash_sampled(self, rows: StepRows) -> np.ndarray:
-        """The rows FlashHead may serve that sample (none without probe sampling: they are scored as greedy)."""
-        if not self.settings.probe_sampling:
-            return np.zeros(rows.num_rows, dtype=bool)
-        return (rows.dense_codes == 0) & rows.sampled
-
-    def _plan(self, rows: StepRows, costs: StepCosts) -> StepPlan:
-        """How `costs` serve this step fastest (host numbers only): this rank's own timing, or under tensor
-        parallelism the ranks' agreed one."""
-        num_dense = int(np.count_nonzero(rows.dense_codes))
-        sampled = int(np.count_nonzero(self._flash_sampled(rows)))
-        return costs.plan(rows.num_rows - num_dense - sampled, sampled, num_dense, check_every=self._checked_every())
 
     def _checked_every(self) -> int:
         """One FlashHead row in this many also gets the dense head's logits (the live fidelity check, off under
         tensor parallelism: a shard's best token says nothing of the row's); 0: none."""
         return self.settings.fidelity_every if self.vocab_range is None else 0
-
-    def _score_drafts(
-        self,
-        logits: torch.Tensor,
-        flash_hidden: torch.Tensor,
-        rows: StepRows,
-        flash_rows: np.ndarray | None,
-        postprocess: Callable[[torch.Tensor], torch.Tensor],
-    ) -> None:
-        """Speculative decoding: count the verify rows FlashHead serves, and write into `logits` (the
-        FlashHead rows, in place) the exact logit of each sampled verify row's draft token, so that vLLM's
-        rejection sampler accepts it with its exact probability up to normalisation. Greedy verify rows
-        are left as they are: their argmax is FlashHead's, as without speculation. Host indices only;
-        the draft ids stay on the device."""
-        verify = rows.verify_rows
-        assert verify is not None and self.head is not None
-        served = rows.dense_codes[verify] == 0
-        self.counters.rows_flashhead_verify += int(served.sum())
-        if rows.draft_ids is None:
-            return
-        drafts = np.flatnonzero(served & rows.sampled[verify])
-        if not drafts.size:
-            return
-        device = flash_hidden.device
-        positions = verify[drafts] if flash_rows is None else np.searchsorted(flash_rows, verify[drafts])
-        index = index_tensor(positions, device)
-        ids = rows.draft_ids.to(device=device, dtype=torch.long, non_blocking=True)
-        ids = ids.index_select(0, index_tensor(drafts, device))
-        start, end = self.vocab_range if self.vocab_range is not None else (0, self.head.vocab_size)
-        local = ids - start
-        inside = (local >= 0) & (local < end - start)  # under tensor parallelism: this rank's shard only
-        local = local.clamp(0, end - start - 1)
-        weight = self.head.weight.index_select(0, local)
-        exact = postprocess((flash_hidden.index_select(0, index).float() * weight.float()).sum(-1)).to(logits.dtype)
-        logits.index_put_((index, local), torch.where(inside, exact, logits[index, local]))
-        self.counters.rows_flashhead_verify_pinned += int(drafts.size)
 
     def _all_dense(
         self, hidden: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor], reason: str
@@ -753,6 +698,7 @@ class FlashHeadController:
             extra_memory_bytes=self._worker_extra_memory_bytes(),
             step_costs=self._step_costs_report(),
             counters=self.counters.snapshot(self.draft.counters if self.draft is not None else None),
+            recent=self.recent.report(),
             spec=effective_spec(self._spec_with_draft(), active),
         )
 
@@ -768,12 +714,13 @@ class FlashHeadController:
             mixed_ms=[None if math.isnan(ms) else ms for ms in _milliseconds(costs.mixed_s)]
             if costs.mixed_s is not None
             else None,
-            dense_from_greedy=costs.dense_from(sampled=False, check_every=every),
-            dense_from_sampled=costs.dense_from(sampled=True, check_every=every)
+            masked_greedy_ms=_milliseconds(costs.masked_greedy_s) if costs.masked_greedy_s is not None else None,
+            masked_sampled_ms=_milliseconds(costs.masked_sampled_s) if costs.masked_sampled_s is not None else None,
+            masked_from_greedy=costs.masked_from(sampled=False, check_every=every),
+            masked_from_sampled=costs.masked_from(sampled=True, check_every=every)
             if costs.sampled_s is not None
             else None,
-            dense_from=self.dense_from(),
-            dense_from_agreed=self.dense_from_agreed,
+            served=self.ways.report(),
         )
 
     def _spec_with_draft(self) -> SpecState | None:
@@ -821,9 +768,6 @@ class FlashHeadController:
         rank = self._status_sampled_rank() or 0
         return resolve_sampled_n_probes(self.settings.sampled_n_probes, self.settings.n_probes, self.num_clusters, rank)
 
-    def _forget_agreement(self) -> None:
-        self.agreed_costs, self.dense_from_agreed, self._timings_exchanged = None, None, False
-
     def validate(self, update: FlashHeadUpdate) -> list[str]:
         """What the served model refuses in `update` (the contract has checked its fields and types):
         FlashHead must be available, `n_probes` at most the number of clusters, and `draft_n_probes` needs
@@ -848,14 +792,11 @@ class FlashHeadController:
         update = _as_update(update)
         for name in update.model_fields_set - {"draft_n_probes"}:
             setattr(self.settings, name, getattr(update, name))
-        # Every rank applies an update between the same two steps: the next exchange agrees again (new timings).
-        self._forget_agreement()
         if update.n_probes is not None and self.head is not None:
             self.head.n_probes = update.n_probes
-            self._time_again()
+            self.ways.forget_kernels()  # served steps time the new probe count; nothing is timed here
         draft = self.draft
         if draft is not None:  # the drafter's head: its own probe count, the target's switch and threshold
-            draft._forget_agreement()
             for name in ("enabled", "dense_batch_threshold"):
                 if name in update.model_fields_set:
                     setattr(draft.settings, name, getattr(update, name))
@@ -863,7 +804,7 @@ class FlashHeadController:
                 draft.settings.n_probes = update.draft_n_probes
                 if draft.head is not None:
                     draft.head.n_probes = update.draft_n_probes
-                    draft._time_again()
+                    draft.ways.forget_kernels()
         logger.info(
             "my_pkg: FlashHead settings now %s%s",
             asdict(self.settings),
@@ -900,6 +841,7 @@ def status_without_controller(code: ReasonCode = "no_assets", reason: str = NO_A
         extra_memory_bytes=None,
         step_costs=None,
         counters=Counters().snapshot(),
+        recent=RecentSteps().report(),
         spec=None,
     )
 

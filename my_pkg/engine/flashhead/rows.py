@@ -209,10 +209,8 @@ class StepRows:
     dense_codes: np.ndarray  # uint8 [rows], 0 = FlashHead may serve the row
     sampled: np.ndarray  # bool [rows], True for rows that sample (temperature > 0)
     stop_ids: tuple[int, ...] = ()  # every id the step's requests stop on, scored exactly on every row
-    #: Speculative decoding: the step's verify rows (host, ascending), one per draft token, and the draft
-    #: tokens they verify (on the device, aligned with `verify_rows`; None when they are not to be pinned).
+    #: Speculative decoding: the step's verify rows (host, ascending), one per draft token.
     verify_rows: np.ndarray | None = None
-    draft_ids: Any = None
     #: Set when the whole step is served dense for this reason (a `StepDenseReason`), whatever its rows ask.
     all_dense: str | None = None
 

@@ -20,7 +20,7 @@ from my_pkg.engine.vllm_uses import attributes
 
 #: Read on the `SpeculativeConfig` it is handed (`my_pkg.devtools.compat` checks them).
 VLLM_SYMBOLS = (
-    *attributes("vllm.config:SpeculativeConfig", "method", "num_speculative_tokens", "draft_sample_method"),
+    *attributes("vllm.config:SpeculativeConfig", "method", "num_speculative_tokens"),
 )
 
 __all__ = [
@@ -75,11 +75,9 @@ def spec_state(
         draft = _part("draft_hook_failed", draft_hook_error)
     else:
         draft = _part("draft_not_loaded")
-    pin = getattr(speculative_config, "draft_sample_method", "greedy") != "probabilistic"
     return SpecState(
         method=None if method is None else str(method),
         num_speculative_tokens=None if tokens is None else int(tokens),
-        pin_drafts=pin and verify.active,
         verify=verify,
         draft=draft,
     )
@@ -94,11 +92,10 @@ def with_draft(spec: SpecState | None, code: str | None, detail: str | None = No
 
 
 def without_verify(spec: SpecState | None, code: str, detail: str | None = None) -> SpecState | None:
-    """`spec` with the verify part found dense at run time for `code` (a `SpecReasonCode`) and `detail`;
-    `pin_drafts` goes with it."""
+    """`spec` with the verify part found dense at run time for `code` (a `SpecReasonCode`) and `detail`."""
     if spec is None:
         return None
-    return spec.model_copy(update={"verify": _part(code, detail), "pin_drafts": False})
+    return spec.model_copy(update={"verify": _part(code, detail)})
 
 
 def effective(spec: SpecState | None, flashhead_active: bool) -> SpecState | None:
@@ -108,7 +105,6 @@ def effective(spec: SpecState | None, flashhead_active: bool) -> SpecState | Non
     inactive = _part("flashhead_inactive")
     return spec.model_copy(
         update={
-            "pin_drafts": False,
             "verify": spec.verify if not spec.verify.active else inactive,
             "draft": spec.draft if not spec.draft.active else inactive,
         }

@@ -7,16 +7,40 @@ check keeps its sum on the device, both collected by `status()` once the device 
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from my_pkg.contract import FlashHeadCounters
+from my_pkg.contract import FlashHeadCounters, RecentRows
 
-__all__ = ["Counters", "FidelityCheck", "HeadTimer"]
+__all__ = ["Counters", "FidelityCheck", "HeadTimer", "RecentSteps"]
+
+
+class RecentSteps:
+    """The rows of the last `window` decode steps: how many got FlashHead's answer (greedy, sampled; of those, how
+    many the masked way made) and how many the dense head's, for the status's `recent` (a share over a window,
+    where the counters only grow)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self._steps: deque[tuple[int, int, int, int]] = deque(maxlen=window)
+
+    def add(self, greedy: int, sampled: int, dense: int, masked: int = 0) -> None:
+        self._steps.append((greedy, sampled, dense, masked))
+
+    def report(self) -> RecentRows:
+        greedy, sampled, dense, masked = (sum(column) for column in zip(*self._steps)) if self._steps else (0,) * 4
+        rows = greedy + sampled + dense
+        return RecentRows(
+            steps=len(self._steps),
+            rows_flashhead_greedy=greedy,
+            rows_flashhead_sampled=sampled,
+            rows_flashhead_masked=masked,
+            rows_dense=dense,
+            flashhead_share=round((greedy + sampled) / rows, 4) if rows else None,
+        )
 
 
 @dataclass
@@ -31,7 +55,7 @@ class Counters:
     fidelity_rows: int = 0
     fidelity_agreed: int = 0
     rows_flashhead_verify: int = 0  # of rows_flashhead: speculative decoding's verify rows
-    rows_flashhead_verify_pinned: int = 0  # of those: sampled rows whose draft token was scored exactly
+    rows_flashhead_masked: int = 0  # of rows_flashhead: FlashHead's answer made from the dense product
     stage1_exchanges: int = 0  # under tensor parallelism: armed steps whose best clusters this rank exchanged
 
     def snapshot(self, draft: Counters | None = None) -> FlashHeadCounters:
@@ -46,7 +70,7 @@ class Counters:
             fidelity_rows=self.fidelity_rows,
             fidelity_agreed=self.fidelity_agreed,
             rows_flashhead_verify=self.rows_flashhead_verify,
-            rows_flashhead_verify_pinned=self.rows_flashhead_verify_pinned,
+            rows_flashhead_masked=self.rows_flashhead_masked,
             stage1_exchanges=self.stage1_exchanges,
             rows_flashhead_draft=draft.rows_flashhead if draft is not None else 0,
             rows_dense_draft=sum(draft.rows_dense.values()) if draft is not None else 0,

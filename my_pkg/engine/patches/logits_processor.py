@@ -19,10 +19,11 @@ Under tensor parallelism each rank's head covers its vocabulary shard and its
 share of the centroids (`_sharded_step`). Stage 1 is split: each rank scores its
 `C / tp` centroids and keeps its best `K` clusters as keys (score, then cluster
 id: `my_pkg.flashhead.probes`), one all-gather over the TP group exchanges them
-(`[B, tp * K]` int64; the first one also carries each rank's timing), and every
-rank takes the best `P` of the same gathered keys: the probes the full stage 1
-would choose, the same on every rank. Each rank then scores the candidates in its
-vocabulary shard, and vLLM's own gather joins the shards.
+(`[B, tp * K]` int64), and every rank takes the best `P` of the same gathered keys:
+the probes the full stage 1 would choose, the same on every rank. Each rank then
+scores the candidates in its vocabulary shard (FlashHead's kernels or its shard of
+the dense product masked to them, whichever it finds cheaper: the same logits),
+and vLLM's own gather joins the shards.
 
 vLLM's gather is reached exactly once per armed step on every rank, and the
 stage-1 exchange at most once, on every rank alike, failures included, because
@@ -33,25 +34,17 @@ can differ between ranks:
   rank's shard dense), as vLLM's own forward does.
 - The stage-1 exchange happens on a step iff it is an armed decode step (the
   model runner arms every rank for the same scheduler output) and
-  `FlashHeadController.exchange_width(B)` is not None: settings, assets, the
-  step's size and the batch the ranks agreed to serve dense from, alike on every
-  rank. Its shape is `[B, width]`, plus the timing's packed columns on the first
-  exchange since start-up or an update (alike on every rank): every rank then
-  reads the same timings and plans every step from the same agreed one, so a
-  step it plans dense is dense on every rank; from the batch at which that
-  timing serves every step dense, steps skip the exchange on every rank, and a
-  step planned dense below it exchanges keys that were not scored.
+  `FlashHeadController.exchange_width(B)` is not None: the settings, the step's
+  size and whether every rank can serve FlashHead, which the ranks agreed on with
+  one all-reduce when the model loaded (`model_loader.agree_after_loading`): alike
+  on every rank. Its shape is `[B, width]`.
   It comes before anything that can fail on one rank only: reading the step's
   rows, building the head, the stage-1 scores and the step's dense reasons are
   all decided around it, never whether it happens. A rank that cannot score its
   share still sends keys (its clusters ranked below every scored one,
   `stage1_keys`), then serves its own shard dense; the other ranks choose their
   probes from the clusters that were scored (with every cluster probed: all of
-  them). Making all ranks go dense on one rank's failure would need that failure
-  on every rank's host: a device-to-host read after the exchange (a host
-  synchronisation every step) or a second collective; a failing rank's shard
-  served dense beside the others' FlashHead shards is what a failure in stage 2
-  already gave, and is counted the same way (`fallbacks`).
+  them), counted as `fallbacks`.
 - Steps that are not armed (warm-up, prompt logprobs) and wrapped heads (LoRA)
   take vLLM's own forward on every rank, without an exchange.
 
@@ -296,8 +289,9 @@ def build_head(controller: Any, lm_head: Any) -> None:
         indices = lm_head.shard_indices
         vocab_range = (int(indices.org_vocab_start_index), int(indices.org_vocab_end_index))
         shard = (int(lm_head.tp_rank), int(lm_head.tp_size))
-    # vLLM's batch-invariant mode asks for output that does not depend on the batch: then FlashHead serves every
-    # step as its requests ask, whatever its size, and no step switches to the dense head for speed.
+    # vLLM's batch-invariant mode asks for output that does not depend on the batch down to the last bit: then
+    # nothing is timed and FlashHead's kernels serve every step (the masked way rounds its exact values as the dense
+    # product does, the kernels as their own products do).
     dense = None if _batch_invariant() else partial(dense_product, lm_head)
     controller.prepare(lm_head.weight, vocab_range=vocab_range, shard=shard, dense=dense)
 
@@ -441,9 +435,9 @@ def subclass() -> type:
         @staticmethod
         def _exchange_stage1(controller, hidden_states, width, rows):
             """`(gathered keys [B, tp * width] or None, scored)`: the stage-1 exchange, one all-gather over the TP
-            group, reached once by every rank of an armed step (each rank's keys and, on the first exchange, its
-            timing: `FlashHeadController.stage1_payload`). `scored` is False when this rank could not score its
-            share, or the exchange failed (counted): its shard is then served dense."""
+            group, reached once by every rank of an armed step (each rank's keys: `FlashHeadController.stage1_payload`).
+            `scored` is False when this rank could not score its share, or the exchange failed (counted): its shard is
+            then served dense."""
             import torch
             from vllm.distributed import tensor_model_parallel_all_gather
 

@@ -8,6 +8,11 @@ looks this function up in its module when it calls it, after the model is built,
 then serves the first load too: vLLM profiles memory and sizes the KV cache with the head and its tables
 allocated. Draft models load through the same function. Under sleep mode, or when the LM head is not one
 module, the first logits call builds the head, as before. Never raises: on failure the same fallback.
+
+Under tensor parallelism the ranks then agree, with one all-reduce that every rank of a FlashHead model
+reaches (whatever failed before it), whether each can serve FlashHead: when one cannot (its assets
+could not be read, its head failed to build), none does, so that no rank ever waits in a stage-1
+exchange another skips.
 """
 
 from __future__ import annotations
@@ -15,7 +20,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from my_pkg.engine.patches.runner_hooks import WRAPPED, controller_in, lm_head_of, warn_once
+from my_pkg.engine.patches.runner_hooks import (
+    WRAPPED,
+    controller_in,
+    every_rank,
+    lm_head_of,
+    tensor_parallel,
+    warn_once,
+)
 from my_pkg.engine.vllm_uses import attributes, symbol
 
 #: The module whose `process_weights_after_loading` (the name `BaseModelLoader.load_model` calls) is wrapped.
@@ -45,6 +57,27 @@ def build_after_loading(model: Any, model_config: Any) -> None:
         build_head(controller, lm_head)
 
 
+def agree_after_loading(model: Any, model_config: Any, device: Any) -> None:
+    """Tensor parallelism: every rank of a model with FlashHead assets (config.json says so, alike on every rank)
+    learns whether every rank's controller can serve (`FlashHeadController.agree`)."""
+    hf_config = getattr(model_config, "hf_config", None)
+    if not getattr(hf_config, "flash_head_cache_dir", None) or not tensor_parallel():
+        return
+    controller = None
+    try:
+        controller = controller_in(model)
+    except Exception as exc:  # noqa: BLE001 - this rank cannot serve; it still takes part
+        warn_once("process_weights_after_loading", exc)
+    available = controller is not None and controller.available
+    try:
+        agreed = every_rank(available, device)
+    except Exception as exc:  # noqa: BLE001 - no agreement: dense on this rank (the collective failed alike)
+        warn_once("tensor-parallel agreement", exc)
+        agreed = False
+    if controller is not None:
+        controller.agree(agreed)
+
+
 def apply() -> None:
     import vllm.model_executor.model_loader.base_loader as base_loader
 
@@ -59,6 +92,7 @@ def apply() -> None:
             build_after_loading(model, model_config)
         except Exception as exc:  # noqa: BLE001 - the first logits call builds it instead
             warn_once("process_weights_after_loading", exc)
+        agree_after_loading(model, model_config, target_device)
         return result
 
     setattr(process_weights_after_loading, WRAPPED, True)

@@ -16,8 +16,7 @@ Installed with every FlashHead hook (`patches.on_flashhead_model`). Hooks vLLM's
 - Speculative decoding: `GPUModelRunner._calc_spec_decode_metadata` is wrapped to keep, for the
   step, its host `num_draft_tokens` and the `SpecDecodeMetadata` it returns. A request with `n`
   drafts has `n + 1` consecutive logits rows (`n` verify rows, then the bonus row), so the step's
-  rows are the requests' codes repeated (`spec_step_rows`); each verify row's draft token is
-  `SpecDecodeMetadata.draft_token_ids` (on the device; never read on the host). When the wrapper
+  rows are the requests' codes repeated (`spec_step_rows`), each served as without speculation. When the wrapper
   cannot be installed, speculative steps are served dense (`speculative_verify`), the rest of the
   hooks stay.
 """
@@ -35,7 +34,6 @@ from my_pkg.engine.patches.runner_hooks import (
     classify,
     controller_of_runner,
     hook_load_model,
-    pins_drafts,
     require,
     run_armed,
     share_pinned_ids,
@@ -74,7 +72,6 @@ VLLM_SYMBOLS = (
         subclass_of="vllm.v1.worker.gpu_model_runner:GPUModelRunner",
     ),
     symbol("vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model", "method", params=("self",)),
-    *attributes("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "draft_token_ids"),
 )
 _DENSE_TABLE = "_my_pkg_dense_requests"
 _STOP_TABLE = "_my_pkg_stop_token_ids"
@@ -129,9 +126,8 @@ def runner_step_rows(runner: Any) -> StepRows:
     stash = runner.__dict__.get(_SPEC_STASH)
     if stash is None:  # no metadata this step: one row per request, checked against the logits call
         return rows
-    num_draft_tokens, metadata = stash
-    draft_ids = getattr(metadata, "draft_token_ids", None) if pins_drafts(speculative_config) else None
-    return spec_step_rows(rows, num_draft_tokens[: rows.num_rows], draft_ids)
+    num_draft_tokens, _ = stash
+    return spec_step_rows(rows, num_draft_tokens[: rows.num_rows])
 
 
 def _track(input_batch: Any, request: Any) -> None:

@@ -51,7 +51,6 @@ from my_pkg.engine.patches.runner_hooks import (
     classify,
     controller_of_runner,
     hook_load_model,
-    pins_drafts,
     require,
     run_armed,
     share_pinned_ids,
@@ -61,7 +60,6 @@ from my_pkg.engine.patches.runner_hooks import (
     warn_once,
 )
 from my_pkg.engine.vllm_uses import attributes, symbol
-from my_pkg.flashhead.staging import index_tensor
 
 TARGET = "vllm.v1.worker.gpu.model_runner.GPUModelRunner, vllm.v1.worker.gpu.sample.sampler.Sampler"
 #: What the hooks rely on beyond their imports (`my_pkg.devtools.compat` checks it): the wrapped methods'
@@ -97,8 +95,6 @@ VLLM_SYMBOLS = (
         "cu_num_logits_np",
         "num_draft_tokens",
         "num_draft_tokens_per_req",
-        "input_ids",
-        "logits_indices",
     ),
     symbol("vllm.v1.worker.gpu.sample.logit_bias:LogitBiasState", "class"),
     symbol("vllm.v1.worker.gpu.sample.penalties:PenaltiesState", "class"),
@@ -176,11 +172,9 @@ def step_rows(sampler: Any, input_batch: Any) -> StepRows:
 
 def spec_rows(runner: Any, sampler: Any, input_batch: Any) -> StepRows:
     """The rows of a step under speculative decoding. A request with `n` drafts has `n + 1` logits rows
-    (`cu_num_logits_np`): its verify rows, then its bonus row, as under V1 (`runner_hooks.spec_step_rows`).
-    The token verify row `r` checks is the input token of row `r + 1`, where V2's rejection sampler reads
-    it (`input_ids[logits_indices]`); it is gathered on the device, only when a sampled verify row is
-    served and drafts are pinned (`pins_drafts`). Steps V2 lays out on the device only (adaptive
-    verification, several new tokens per step) are served dense."""
+    (`cu_num_logits_np`): its verify rows, then its bonus row, as under V1 (`runner_hooks.spec_step_rows`),
+    each served as without speculation. Steps V2 lays out on the device only (adaptive verification, several
+    new tokens per step) are served dense."""
     rows = request_rows(sampler, input_batch)
     num_reqs = rows.num_rows
     drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
@@ -195,16 +189,7 @@ def spec_rows(runner: Any, sampler: Any, input_batch: Any) -> StepRows:
     drafts = np.asarray(drafts[:num_reqs], dtype=np.int64)
     if drafts.shape != (num_reqs,) or not np.array_equal(_logits_per_request(input_batch, num_reqs), drafts + 1):
         return StepRows(rows.dense_codes, rows.sampled, rows.stop_ids, all_dense="unexpected_rows")
-    spec = spec_step_rows(rows, drafts, None)
-    verify = spec.verify_rows
-    if verify is None:
-        return spec
-    pinned = spec.sampled[verify] & (spec.dense_codes[verify] == 0)
-    if pins_drafts(runner.speculative_config) and pinned.any():
-        inputs = input_batch.input_ids
-        next_row = index_tensor(verify + 1, inputs.device)
-        spec.draft_ids = inputs.index_select(0, input_batch.logits_indices.index_select(0, next_row))
-    return spec
+    return spec_step_rows(rows, drafts)
 
 
 def _new_tokens_per_step(runner: Any) -> int:

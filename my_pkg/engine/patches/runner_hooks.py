@@ -40,7 +40,6 @@ VLLM_SYMBOLS = (
     *attributes("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "model", "model_config"),
     symbol("vllm.v1.worker.gpu.model_runner:GPUModelRunner.get_model", "method", params=("self",)),
     *attributes("vllm.config:ModelConfig", "enable_sleep_mode"),
-    *attributes("vllm.config:SpeculativeConfig", "draft_sample_method"),
     symbol(
         "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",
         "class",
@@ -154,18 +153,11 @@ def union_stop_ids(tables: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def pins_drafts(speculative_config: Any) -> bool:
-    """Whether sampled verify rows score their draft token exactly: only when vLLM verifies them without
-    draft probabilities (n-gram and other model-free drafts, and model drafts sampled greedily, vLLM's
-    default). With draft probabilities, pinning would make the target law depend on the random draft."""
-    return getattr(speculative_config, "draft_sample_method", "greedy") != "probabilistic"
-
-
-def spec_step_rows(per_request: StepRows, num_draft_tokens: Any, draft_ids: Any) -> StepRows:
+def spec_step_rows(per_request: StepRows, num_draft_tokens: Any) -> StepRows:
     """The rows of a speculative-decoding step from its requests' rows (`step_rows`): request `i` with
     `n_i` drafts has `n_i + 1` consecutive rows, its verify rows then its bonus row, in batch order
-    (as V1's `_calc_spec_decode_metadata` and V2's `cu_num_logits` lay them out). `draft_ids` (device, one
-    per verify row) or None (nothing pinned). Host numpy only: the device is never waited for."""
+    (as V1's `_calc_spec_decode_metadata` and V2's `cu_num_logits` lay them out). Each row is served as
+    without speculation: vLLM's rejection sampler then emits FlashHead's own law. Host numpy only."""
     num_reqs = per_request.num_rows
     n = np.asarray(num_draft_tokens, dtype=np.int64)
     if n.shape != (num_reqs,) or (n < 0).any():
@@ -180,7 +172,6 @@ def spec_step_rows(per_request: StepRows, num_draft_tokens: Any, draft_ids: Any)
         sampled=np.repeat(per_request.sampled, rows_per_request),
         stop_ids=per_request.stop_ids,
         verify_rows=verify_rows,
-        draft_ids=draft_ids if total else None,
     )
 
 
@@ -241,6 +232,30 @@ def prepare_after_load(runner: Any, stop_table_holder: str | None = None) -> Non
     from my_pkg.engine.patches.logits_processor import build_head
 
     build_head(controller, lm_head)
+
+
+def every_rank(flag: bool, device: Any = "cpu") -> bool:
+    """Whether `flag` holds on every rank of the tensor-parallel group: one all-reduce over vLLM's TP group (on
+    `device`, the one its communicator works on), to be reached by every rank alike; `flag` itself without
+    tensor parallelism."""
+    import torch
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+    world = get_tensor_model_parallel_world_size()
+    if world <= 1:
+        return flag
+    total = tensor_model_parallel_all_reduce(torch.tensor([1.0 if flag else 0.0], device=device))
+    return int(round(float(total.item()))) == world
+
+
+def tensor_parallel() -> bool:
+    """Whether this process is one rank of several in vLLM's tensor-parallel group (False when unknown)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size() > 1
+    except Exception:  # noqa: BLE001 - no group initialised: one rank
+        return False
 
 
 def lm_head_of(model: Any) -> Any:

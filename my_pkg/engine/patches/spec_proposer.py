@@ -22,7 +22,9 @@ before the drafter loads):
   through `_greedy_sample` as before. Installed only where vLLM has this method.
 
 Either hook that fails leaves vLLM's drafter as it is (dense), logged once; a failure to link the drafter
-is also reported as the draft part's `draft_hook_failed`, with the error.
+is also reported as the draft part's `draft_hook_failed`, with the error. Under tensor parallelism the
+ranks then agree, with one all-reduce every rank of a FlashHead target reaches, whether each linked a
+drafter that can serve: when one did not, none keeps it (`agree_drafter`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,17 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from my_pkg.engine.flashhead.controller import RANK_LOCAL_CODES, FlashHeadController
-from my_pkg.engine.patches.runner_hooks import WRAPPED, controller_in, lm_head_of, require, run_armed, warn_once
+from my_pkg.engine.flashhead.controller import FlashHeadController
+from my_pkg.engine.patches.runner_hooks import (
+    WRAPPED,
+    controller_in,
+    every_rank,
+    lm_head_of,
+    require,
+    run_armed,
+    tensor_parallel,
+    warn_once,
+)
 from my_pkg.engine.vllm_uses import attributes, symbol
 
 TARGET = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
@@ -87,19 +98,43 @@ def link_drafter(proposer: Any, target_model: Any) -> None:
     refused = refusal(proposer, target, draft, shares_target_head=shares_target_head)
     if refused is None and draft is not None:
         _build(proposer, draft)
-        if not draft.available and not _failed_on_this_rank_only(proposer, draft):
+        if not draft.available:
             refused = ("draft_head_unavailable", draft.unavailable_reason)
     link(target, draft, refused)
     if refused is None:
         proposer.__dict__[DRAFT_ATTR] = draft
 
 
-def _failed_on_this_rank_only(proposer: Any, draft: FlashHeadController) -> bool:
-    """Whether the drafter's head is vocab-parallel and failed for a reason of this rank alone (its build or warm-up):
-    then the drafter stays linked, so that this rank is armed for every draft step as the other ranks are and takes
-    part in each stage-1 exchange, serving its own shard dense (`FlashHeadController.exchange_width`)."""
-    head = _lm_head(getattr(proposer, "model", None))
-    return draft.unavailable_code in RANK_LOCAL_CODES and getattr(head, "tp_size", 1) > 1
+def agree_drafter(proposer: Any, target_model: Any) -> None:
+    """Tensor parallelism: every rank of a FlashHead target (its config says so, alike on every rank) learns whether
+    every rank linked a drafter that can serve; when one did not, every rank unlinks its own (`draft_head_unavailable`),
+    so that no rank's draft step waits in a stage-1 exchange another skips. Never raises."""
+    config = getattr(getattr(getattr(proposer, "vllm_config", None), "model_config", None), "hf_config", None)
+    if not getattr(config, "flash_head_cache_dir", None) or not tensor_parallel():
+        return
+    draft = proposer.__dict__.get(DRAFT_ATTR)
+    try:
+        head = _lm_head(getattr(proposer, "model", None))
+        device = head.weight.device if head is not None else "cpu"
+        agreed = every_rank(draft is not None and draft.available, device)
+    except Exception as exc:  # noqa: BLE001 - no agreement: the drafter stays dense (the collective failed alike)
+        warn_once("drafter tensor-parallel agreement", exc)
+        agreed = False
+    if agreed:
+        return
+    try:
+        from my_pkg.engine.flashhead.draft import link
+
+        proposer.__dict__.pop(DRAFT_ATTR, None)
+        own = draft if draft is not None else controller_in(getattr(proposer, "model", None))
+        if own is not None:
+            own.agree(False)
+        if draft is not None:
+            target = controller_in(target_model)
+            if target is not None:
+                link(target, draft, ("draft_head_unavailable", draft.unavailable_reason))
+    except Exception as exc:  # noqa: BLE001
+        warn_once("drafter tensor-parallel agreement", exc)
 
 
 def _shares_target_head(proposer: Any, target_model: Any) -> bool:
@@ -179,6 +214,7 @@ def apply() -> None:
             self.__dict__.pop(DRAFT_ATTR, None)
             warn_once("drafter load_model", exc)
             _record_failure(target_model, exc)
+        agree_drafter(self, target_model)
         return result
 
     @functools.wraps(original_greedy)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -553,7 +555,9 @@ def test_prepare_times_the_head_beside_the_dense_product_when_no_threshold_is_se
     assert ctl.settings.dense_batch_threshold is None  # the measurement decides per step, not a threshold
 
 
-def test_a_new_probe_count_times_the_head_again(weight, monkeypatch):
+def test_a_new_probe_count_answers_at_once_and_served_steps_time_it(weight, monkeypatch):
+    """An update never times the head inside the RPC (the engine would wait for it): the start-up timing stays,
+    FlashHead's side of it is forgotten, and the next served steps time the new probe count as they serve."""
     monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
     ctl = _unbuilt_controller(weight)
     calls = []
@@ -564,17 +568,18 @@ def test_a_new_probe_count_times_the_head_again(weight, monkeypatch):
 
     ctl.prepare(weight, dense=dense)
     first, timed = ctl.step_costs, len(calls)
-    assert first is not None and timed > 0
-    ctl.apply(FlashHeadUpdate(enabled=True))  # nothing a step's cost depends on: not timed again
-    assert ctl.step_costs is first and len(calls) == timed
+    assert first is not None and timed > 0 and ctl.ways.timed
+    ctl.ways = type(ctl.ways)(replace(first, greedy_s=tuple(100.0 for _ in first.batches)))  # masked way cheaper
+    hidden = torch.randn(4, HIDDEN)
+    ctl.compute_logits(hidden, _rows([0] * 4), dense, lambda x: x)
+    assert ctl.counters.rows_flashhead_masked == 4
     ctl.apply(FlashHeadUpdate(n_probes=CLUSTERS))
-    again = ctl.step_costs
-    assert again is not None and again is not first and ctl.head.n_probes == CLUSTERS
-    # Only the greedy rows and the mixed steps, whose cost follows the probes, are timed again: the dense
-    # product is not called.
-    assert len(calls) == timed
-    assert (again.batches, again.dense_s, again.sampled_s) == (first.batches, first.dense_s, first.sampled_s)
-    assert again.greedy_s != first.greedy_s and again.mixed_s != first.mixed_s
+    assert ctl.step_costs is first and ctl.head.n_probes == CLUSTERS  # nothing timed again
+    calls.clear()
+    ctl.compute_logits(hidden, _rows([0] * 4), dense, lambda x: x)
+    assert calls == [] and ctl.counters.rows_flashhead_masked == 4  # FlashHead's kernels, timed as they serve
+    (served,) = [way for way in ctl.status().step_costs.served if way.rows == "3-4"]
+    assert served.flashhead_ms is not None and served.flashhead_ms < 100.0
 
 
 @pytest.mark.parametrize("env_value", ["never", "9"])
@@ -610,7 +615,7 @@ def test_a_vocabulary_shard_is_timed_alone_with_its_share_of_stage_1(weight, mon
     costs = shard.status().step_costs
     assert shard.head is not None and costs is not None
     assert set(dense_rows) == set(costs.batches) and set(costs.batches) <= set(shard_keys)
-    assert shard.dense_from_agreed is None and costs.dense_from_agreed is None  # agreed only at an exchange
+    assert costs.masked_greedy_ms is not None and len(costs.masked_greedy_ms) == len(costs.batches)
 
 
 def test_a_failing_dense_product_is_not_timed(weight, monkeypatch, caplog):
@@ -625,54 +630,58 @@ def test_a_failing_dense_product_is_not_timed(weight, monkeypatch, caplog):
     assert "could not time its steps" in caplog.text
 
 
-def test_the_status_reports_from_which_batch_every_kind_of_step_goes_dense(controller):
-    # Sampled rows pay at one row only, greedy ones to 4 rows; at 8 rows a mixed step served split (its 4 greedy rows
-    # on FlashHead, 3, its 4 sampled ones dense, 4) costs 7 against 5 all dense: from 8 rows every kind goes dense.
-    # Alone (no tensor parallelism) nothing is agreed.
+def test_the_status_reports_from_which_batch_each_kind_of_step_takes_the_masked_way(controller):
+    # The masked way costs the dense product plus 1 (greedy) or 3 (sampled) over it; FlashHead's kernels cost more
+    # than 1.1 times that from 8 greedy rows and from 2 sampled rows.
     controller.step_costs = StepCosts(
         batches=(1, 2, 4, 8),
         dense_s=(4.0, 4.0, 4.0, 5.0),
         greedy_s=(1.0, 2.0, 3.0, 9.0),
-        sampled_s=(2.0, 5.0, 10.0, 20.0),
-        margin=1.0,
+        sampled_s=(2.0, 8.0, 10.0, 20.0),
+        masked_greedy_s=(5.0, 5.0, 5.0, 6.0),
+        masked_sampled_s=(7.0, 7.0, 7.0, 8.0),
     )
     report = controller.status().step_costs
-    assert (report.dense_from_greedy, report.dense_from_sampled, report.dense_from) == (8, 2, 8)
-    assert controller.dense_from() == 8 and report.dense_from_agreed is None
+    assert (report.masked_from_greedy, report.masked_from_sampled) == (8, 2)
+    assert report.masked_greedy_ms == [5000.0, 5000.0, 5000.0, 6000.0]
 
 
-def test_steps_the_measurement_predicts_faster_on_the_dense_head_are_served_dense(controller, weight):
-    # Greedy rows pay up to 4 rows, sampled rows up to 1 (as on a CPU with a packed dense GEMM).
-    controller.step_costs = StepCosts(
+def _masked_from_two_rows() -> StepCosts:
+    """FlashHead's kernels pay at one row; from two rows the dense product masked to their answer is cheaper."""
+    return StepCosts(
         batches=(1, 2, 4, 8),
         dense_s=(4.0, 4.0, 4.0, 8.0),
-        greedy_s=(1.0, 2.0, 3.0, 9.0),
-        sampled_s=(2.0, 5.0, 10.0, 20.0),
-        margin=1.0,
+        greedy_s=(1.0, 6.0, 9.0, 20.0),
+        sampled_s=(2.0, 8.0, 10.0, 20.0),
+        masked_greedy_s=(4.5, 4.5, 4.5, 8.5),
+        masked_sampled_s=(5.0, 5.0, 5.0, 9.0),
     )
+
+
+@pytest.mark.parametrize("probe_sampling", [True, False])
+def test_the_way_that_serves_a_step_never_changes_a_rows_answer(controller, weight, probe_sampling):
+    """Alone, in a larger step the masked way serves, beside a logprobs row: every FlashHead row gets the same
+    tokens (the same ones out of reach, the same argmax, the same estimates), and the logprobs row vLLM's logits."""
+    from my_pkg.engine.flashhead.timing import StepWays
+
+    controller.settings.probe_sampling = probe_sampling
     dense = _dense(weight)
     hidden = torch.randn(4, HIDDEN)
-    controller.compute_logits(hidden, _rows([0] * 4), dense, lambda x: x)  # 4 greedy rows: FlashHead
-    assert controller.counters.rows_flashhead == 4
-    sampled = controller.compute_logits(hidden[:2], _rows([0, 0], [True, True]), dense, lambda x: x)
-    torch.testing.assert_close(sampled, dense(hidden[:2]))  # 2 sampled rows: dense, exact
-    assert controller.counters.rows_dense == {"slower_than_dense": 2}
-    # 3 greedy + 1 sampled: (3 * 3 + 10) / 4 = 4.75 > 4: dense; 3 greedy + 1 logprobs row: 2.5 + 4 > 4: dense too.
-    controller.compute_logits(hidden, _rows([0] * 4, [False, False, False, True]), dense, lambda x: x)
-    controller.compute_logits(hidden, _rows([0, 0, 0, DenseReason.LOGPROBS]), dense, lambda x: x)
-    assert controller.counters.rows_dense == {"slower_than_dense": 10}
-    assert controller.counters.rows_flashhead == 4
+    sampled = [False, True, False, True]
+    alone = torch.cat(
+        [controller.compute_logits(hidden[i : i + 1], _rows([0], [sampled[i]]), dense, lambda x: x) for i in range(4)]
+    )
+    controller.step_costs = _masked_from_two_rows()
+    controller.ways = StepWays(controller.step_costs)
+    together = controller.compute_logits(hidden, _rows([0] * 4, sampled), dense, lambda x: x)
+    assert controller.counters.rows_flashhead_masked == 4 and controller.counters.rows_flashhead == 8
+    beside = controller.compute_logits(hidden, _rows([0, 0, DenseReason.LOGPROBS, 0], sampled), dense, lambda x: x)
+    torch.testing.assert_close(beside[2], dense(hidden[2:3])[0])  # the logprobs row: exact, moved nothing
+    for logits, rows in ((together, [0, 1, 2, 3]), (beside, [0, 1, 3])):
+        assert torch.equal(torch.isinf(logits[rows]), torch.isinf(alone[rows]))
+        assert torch.equal(logits[rows].argmax(-1), alone[rows].argmax(-1))
+        torch.testing.assert_close(logits[rows], alone[rows], atol=1e-5, rtol=1e-5)
+    assert controller.counters.rows_dense == {"logprobs": 1}
     status = controller.status()
-    assert status.counters.rows_dense["slower_than_dense"] == 10
-    assert (status.step_costs.dense_from_greedy, status.step_costs.dense_from_sampled) == (8, 2)
-    # 4 greedy + 4 sampled at 8 rows: as asked 14.5, all dense 8, the sampled rows dense 3 + 4 = 7.
-    hidden8 = torch.randn(8, HIDDEN)
-    mixed = controller.compute_logits(hidden8, _rows([0] * 8, [False, True] * 4), dense, lambda x: x)
-    torch.testing.assert_close(mixed[1::2], dense(hidden8[1::2]))  # the sampled rows: the dense head's logits
-    greedy_alone = controller.compute_logits(hidden8[0::2], _rows([0] * 4), dense, lambda x: x)
-    assert torch.equal(mixed[0::2], greedy_alone)  # the greedy rows: FlashHead's, as in a step of their own
-    assert controller.counters.rows_dense == {"slower_than_dense": 14}
-    assert controller.counters.rows_flashhead == 12
-    controller.settings.probe_sampling = False  # sampled rows then cost what greedy ones do
-    controller.compute_logits(hidden[:2], _rows([0, 0], [True, True]), dense, lambda x: x)
-    assert controller.counters.rows_flashhead == 14
+    assert status.counters.rows_flashhead_masked == status.recent.rows_flashhead_masked == 7
+    assert status.recent.flashhead_share == pytest.approx(11 / 12, abs=1e-4)

@@ -19,10 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from my_pkg.contract import FlashHeadUpdate
 from my_pkg.engine.flashhead import FlashHeadController, StepRows
 from my_pkg.engine.patches import logits_processor
-from my_pkg.flashhead.step_costs import PACKED_COSTS, StepCosts
+from my_pkg.flashhead.step_costs import StepCosts
 
 VOCAB, HIDDEN, CAP = 200, 16, 8
 CLUSTERS = VOCAB // CAP
@@ -287,86 +286,6 @@ def test_steps_above_the_threshold_exchange_nothing_and_go_dense_on_both_ranks(g
         assert counters.stage1_exchanges == 1
 
 
-def _costs_dense_from(rows: int) -> StepCosts:
-    """FlashHead at 0.5 s below `rows` rows, 2 s from it; the dense head 1 s at every batch."""
-    return StepCosts((1, 2, 3), (1.0, 1.0, 1.0), tuple(0.5 if b < rows else 2.0 for b in (1, 2, 3)), None)
-
-
-def test_without_every_rank_s_timing_nothing_is_agreed_and_flashhead_serves_every_step(group, weight):
-    """Rank 0's timing serves every step dense, rank 1 has none (not timed, or its timing failed): the ranks plan
-    from no timing, as before they were timed: FlashHead on both, every step exchanging."""
-    hidden = torch.randn(2, HIDDEN)
-    ranks = _ranks(weight, n_probes=1)
-    _build(group, ranks, hidden)
-    for processor, _, _ in ranks:
-        processor._my_pkg_flashhead.settings.measure_step_costs = True
-    ranks[0][0]._my_pkg_flashhead.step_costs = _costs_dense_from(1)
-    for _ in range(2):
-        logits = _step(group, ranks, hidden)
-    assert group.calls == {0: 2, 1: 2}
-    assert not torch.isfinite(logits[:, :SHARD]).all() and not torch.isfinite(logits[:, SHARD:]).all()
-    controllers = [processor._my_pkg_flashhead for processor, _, _ in ranks]
-    assert [c.dense_from() for c in controllers] == [1, None]
-    assert [(c.agreed_costs, c.dense_from_agreed) for c in controllers] == [(None, None), (None, None)]
-    assert [c.counters.rows_flashhead for c in controllers] == [4, 4]
-
-
-def test_the_ranks_plan_from_their_slowest_times_and_skip_the_exchange_where_all_is_dense(group, weight):
-    """Rank 0's FlashHead pays at one row only, rank 1's at one and two: the agreed timing takes each side's
-    slowest rank, which pays at one row only, so from two rows every step goes dense on both ranks without an
-    exchange; an update forgets the agreement on every rank until the next exchange."""
-    hidden = torch.randn(2, HIDDEN)
-    ranks = _ranks(weight, n_probes=1)
-    _build(group, ranks, hidden)
-    controllers = [processor._my_pkg_flashhead for processor, _, _ in ranks]
-    for controller, rows in zip(controllers, (2, 3), strict=True):
-        controller.step_costs, controller.settings.measure_step_costs = _costs_dense_from(rows), True
-        # No live fidelity check runs under TP, so the plans count none (a dense row per FlashHead row here).
-        controller.settings.fidelity_every = 1
-    torch.testing.assert_close(_step(group, ranks, hidden), hidden @ weight.T)  # agreed at this exchange: dense
-    assert [c.dense_from_agreed for c in controllers] == [2, 2]
-    assert [c.agreed_costs.greedy_s for c in controllers] == [(0.5, 2.0, 2.0)] * 2
-    _step(group, ranks, hidden)
-    assert group.calls == {0: 1, 1: 1}  # agreed: no exchange
-    one_row = _step(group, ranks, hidden[:1])  # below the agreed batch: exchanged, FlashHead on both ranks
-    assert group.calls == {0: 2, 1: 2} and not torch.isfinite(one_row).all()
-    for controller in controllers:  # the admin API applies an update on every rank between two steps
-        controller.apply(FlashHeadUpdate(enabled=True))
-        assert controller.agreed_costs is None and controller.status().step_costs.dense_from_agreed is None
-    _step(group, ranks, hidden)
-    assert group.calls == {0: 3, 1: 3} and [c.dense_from_agreed for c in controllers] == [2, 2]
-    assert [c.counters.stage1_exchanges for c in controllers] == [3, 3]
-    for controller in controllers:
-        assert controller.counters.rows_dense == {"slower_than_dense": 6} and controller.counters.rows_flashhead == 1
-
-
-def test_a_step_planned_dense_below_the_agreed_batch_exchanges_keys_it_did_not_score(group, weight, monkeypatch):
-    """One sampled row is planned dense where one greedy row is not, so steps of one row still exchange; the
-    sampled one sends keys no rank scored (stage 1 skipped on both ranks) and is dense on both."""
-    hidden = torch.randn(1, HIDDEN)
-    ranks = _ranks(weight, n_probes=1)
-    _build(group, ranks, hidden)
-    nan = float("nan")
-    scored = Counter()
-    for rank, (processor, _, _) in enumerate(ranks):
-        controller = processor._my_pkg_flashhead
-        controller.step_costs = StepCosts((1, 2), (1.0, 1.0), (0.5, 2.0), (2.0, 2.0), (nan, 2.0))
-        controller.settings.measure_step_costs = True  # as with no MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD
-        real = controller.stage1.keys
-        monkeypatch.setattr(
-            controller.stage1, "keys", lambda h, w, rank=rank, real=real: scored.update([rank]) or real(h, w)
-        )
-    _step(group, ranks, hidden)  # greedy: agreed here, FlashHead on both ranks
-    assert scored == {0: 1, 1: 1}
-    sampled = _step(group, ranks, hidden, sampled=[True])
-    torch.testing.assert_close(sampled, hidden @ weight.T)
-    assert scored == {0: 1, 1: 1} and group.calls == {0: 2, 1: 2}
-    for processor, _, _ in ranks:
-        counters = processor._my_pkg_flashhead.counters
-        assert counters.rows_flashhead == 1 and counters.rows_dense == {"slower_than_dense": 1}
-        assert counters.fallbacks == 0 and processor._my_pkg_flashhead.dense_from_agreed == 2
-
-
 def test_mixed_steps_probe_each_kind_of_row_from_one_exchange(group, weight):
     """Greedy rows probe `n_probes`, sampled rows `sampled_n_probes`, from one exchange of the larger."""
     hidden = torch.randn(4, HIDDEN)
@@ -390,90 +309,56 @@ def test_sampled_rows_get_estimates_on_every_shard(group, weight):
     assert not torch.isfinite(logits[1]).all()
 
 
-def test_the_first_exchange_carries_the_timings_and_only_where_ranks_time_themselves(group, weight, monkeypatch):
-    """With no threshold the first exchange carries each rank's timing (`PACKED_COSTS` more int64 per row), the
-    next ones keys only; with `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set no rank timed itself: keys only."""
-    import vllm.distributed
-
-    hidden = torch.randn(2, HIDDEN)
-    sizes = []
-    monkeypatch.setattr(
-        vllm.distributed,
-        "tensor_model_parallel_all_gather",
-        lambda tensor, dim=-1: sizes.append(tensor.shape[1] // 2) or group.all_gather(tensor, dim),
-    )
-    for timed in (True, False):
-        ranks = _ranks(weight, n_probes=1)
-        _build(group, ranks, hidden)
-        for processor, _, _ in ranks:
-            processor._my_pkg_flashhead.settings.measure_step_costs = timed
-        width = ranks[0][0]._my_pkg_flashhead.exchange_width(2)
-        sizes.clear()
-        _step(group, ranks, hidden)
-        _step(group, ranks, hidden)
-        first = width + (PACKED_COSTS if timed else 0)
-        assert sizes == [first, first, width, width]  # each rank's int64 columns per row, step by step
+def _masked_below(rows: int) -> StepCosts:
+    """The masked way cheaper than FlashHead's kernels from `rows` rows on."""
+    kernels = tuple(0.5 if b < rows else 5.0 for b in (1, 2, 4))
+    return StepCosts((1, 2, 4), (1.0, 1.0, 1.0), kernels, None, masked_greedy_s=(1.2, 1.2, 1.2))
 
 
-def _agreed_sampled_dense(ranks):
-    """Both ranks timed so that one greedy row pays and one sampled row does not (`measure_step_costs` on)."""
-    nan = float("nan")
-    for processor, _, _ in ranks:
-        controller = processor._my_pkg_flashhead
-        controller.step_costs = StepCosts((1, 2), (1.0, 1.0), (0.5, 2.0), (2.0, 2.0), (nan, 2.0))
-        controller.settings.measure_step_costs = True
+def test_ranks_that_serve_a_step_different_ways_give_the_same_logits_and_exchange_alike(group, weight):
+    """Each rank chooses its own way from its own timing (the ways differ in cost only): rank 0 takes the masked way
+    from 2 rows, rank 1 never; both exchange on every armed step, and the gathered logits are what both ranks on
+    FlashHead's kernels give."""
+    from my_pkg.engine.flashhead.timing import StepWays
 
-
-def test_a_rank_that_cannot_read_its_rows_scores_its_keys_while_the_others_send_unscored_ones(group, weight):
-    hidden = torch.randn(1, HIDDEN)
-    ranks = _ranks(weight, n_probes=1)
+    hidden = torch.randn(4, HIDDEN)
+    ranks = _ranks(weight, n_probes=2)
     _build(group, ranks, hidden)
-    _agreed_sampled_dense(ranks)
-    _step(group, ranks, hidden)  # agreed here
-
-    def source(rank, rows):
-        if rank == 1:
-            raise RuntimeError("rows")
-        return rows
-
-    logits = _step(group, ranks, hidden, sampled=[True], source=source)  # planned dense; rank 1 cannot plan
-    torch.testing.assert_close(logits, hidden @ weight.T)
-    assert group.calls == {0: 2, 1: 2}
-    assert ranks[1][0]._my_pkg_flashhead.counters.fallbacks == 1
-    assert ranks[0][0]._my_pkg_flashhead.counters.rows_dense == {"slower_than_dense": 1}
-
-
-@pytest.mark.parametrize("broken", ["keys", "pack"])
-def test_a_rank_failing_on_the_exchange_that_carries_the_timings_keeps_the_ranks_in_step(
-    group, weight, monkeypatch, broken
-):
-    """Rank 1 cannot score its share (or cannot even pack its timing) on the first exchange: the payloads keep
-    their shape, both ranks agree alike (on both timings, or on none when an empty one travelled), and the next
-    step exchanges on both ranks or on neither."""
-    import my_pkg.engine.flashhead.controller as controller_module
-
-    hidden = torch.randn(2, HIDDEN)
-    ranks = _ranks(weight, n_probes=1)
-    _build(group, ranks, hidden)
-    _agreed_sampled_dense(ranks)
+    kernels = _step(group, ranks, hidden)
     controllers = [processor._my_pkg_flashhead for processor, _, _ in ranks]
-    failing = controllers[1]
-    if broken == "keys":
-        monkeypatch.setattr(failing.stage1, "keys", _broken)
-    else:
-        real_pack = controller_module.pack_costs
-        monkeypatch.setattr(
-            controller_module,
-            "pack_costs",
-            lambda costs: _broken() if costs is failing.step_costs else real_pack(costs),
-        )
+    controllers[0].step_costs = _masked_below(2)
+    controllers[0].ways = StepWays(controllers[0].step_costs)
+    mixed = _step(group, ranks, hidden)
+    assert controllers[0].counters.rows_flashhead_masked == 4 and controllers[1].counters.rows_flashhead_masked == 0
+    assert torch.equal(torch.isinf(mixed), torch.isinf(kernels))
+    torch.testing.assert_close(mixed, kernels)
+    assert group.calls == {0: 2, 1: 2}
+
+
+def test_a_rank_failing_in_the_exchange_keeps_the_ranks_in_step(group, weight, monkeypatch):
+    """Rank 1 cannot score its share: the payloads keep their shape, it serves its shard dense, and the next step
+    exchanges on both ranks again."""
+    hidden = torch.randn(2, HIDDEN)
+    ranks = _ranks(weight, n_probes=1)
+    _build(group, ranks, hidden)
+    controllers = [processor._my_pkg_flashhead for processor, _, _ in ranks]
+    monkeypatch.setattr(controllers[1].stage1, "keys", _broken)
     logits = _step(group, ranks, hidden)
     torch.testing.assert_close(logits[:, SHARD:], (hidden @ weight.T)[:, SHARD:])  # rank 1: its shard dense
-    assert failing.counters.fallbacks == 1 and controllers[0].counters.fallbacks == 0
-    if broken == "keys":  # its timing travelled: both agree on it
-        assert [c.dense_from_agreed for c in controllers] == [2, 2]
-    else:  # an empty timing travelled in its place: nothing agreed, on both ranks
-        assert [c.agreed_costs for c in controllers] == [None, None]
-    assert [c.counters.stage1_exchanges for c in controllers] == [1, 1]
+    assert controllers[1].counters.fallbacks == 1 and controllers[0].counters.fallbacks == 0
     _step(group, ranks, hidden)
-    assert group.calls[0] == group.calls[1] == (1 if broken == "keys" else 2)  # 2 rows: dense from 2 if agreed
+    assert group.calls == {0: 2, 1: 2}
+
+
+def test_after_the_load_agreement_a_rank_without_assets_makes_every_rank_dense_without_exchanging(group, weight):
+    """A rank whose assets could not be read agrees dense with the others when the model loads: no rank enters the
+    stage-1 exchange, and the gathered logits are the dense head's."""
+    hidden = torch.randn(2, HIDDEN)
+    ranks = _ranks(weight, n_probes=2)
+    ranks[1][0]._my_pkg_flashhead.make_unavailable("assets_invalid", "a file is missing on this node")
+    _build(group, ranks, hidden)
+    for processor, _, _ in ranks:
+        processor._my_pkg_flashhead.agree(False)
+    torch.testing.assert_close(_step(group, ranks, hidden), hidden @ weight.T)
+    assert group.calls == {}
+    assert ranks[0][0]._my_pkg_flashhead.status().reason_code == "tensor_parallel_rank"

@@ -222,27 +222,41 @@ def test_a_failing_draft_head_serves_dense_and_is_counted(setup, monkeypatch):
     assert counters.fallbacks == 1 and counters.rows_dense_draft == 3 and counters.rows_flashhead_draft == 0
 
 
-@pytest.mark.parametrize("tp_size", [1, 2])
-def test_a_draft_head_that_failed_to_build_on_one_rank_stays_linked_under_tensor_parallelism(
-    setup, monkeypatch, tp_size
-):
-    """Alone, a drafter whose head failed to build is refused (dense, with its reason); under tensor parallelism
-    it stays linked, so that this rank is armed for every draft step and takes part in the drafter's stage-1
-    exchange as the ranks whose head was built do, serving its own shard dense."""
+def test_a_draft_head_that_failed_to_build_is_refused(setup, monkeypatch):
     from my_pkg.engine.patches import spec_proposer
 
     def build_fails(proposer, draft):
         draft.make_unavailable("build_failed", "FlashHead could not be built: no room on this device")
 
     monkeypatch.setattr(spec_proposer, "_build", build_fails)
-    monkeypatch.setattr(setup.proposer.model.lm_head, "tp_size", tp_size, raising=False)
     spec_proposer.link_drafter(setup.proposer, setup.target_model)
-    linked = setup.proposer.__dict__.get(spec_proposer.DRAFT_ATTR)
-    if tp_size == 1:
-        assert linked is None and setup.target.status().spec.draft.reason_code == "draft_head_unavailable"
-    else:
-        assert linked is setup.draft and setup.target.draft is setup.draft
-        assert setup.draft.exchange_width(4) is not None  # it still exchanges, as the other ranks do
+    assert setup.proposer.__dict__.get(spec_proposer.DRAFT_ATTR) is None
+    assert setup.target.status().spec.draft.reason_code == "draft_head_unavailable"
+
+
+@pytest.mark.parametrize("this_rank_fails", [True, False])
+def test_under_tensor_parallelism_a_drafter_one_rank_cannot_serve_is_unlinked_on_every_rank(
+    setup, monkeypatch, this_rank_fails
+):
+    """The ranks agree once, when the drafter loads: one whose drafter head failed (this rank or another) makes
+    every rank keep its drafter dense, so that no rank's draft step enters a stage-1 exchange another skips."""
+    from my_pkg.engine.patches import spec_proposer
+
+    if this_rank_fails:
+        monkeypatch.setattr(
+            spec_proposer, "_build", lambda proposer, draft: draft.make_unavailable("build_failed", "no room")
+        )
+    offered = []
+    monkeypatch.setattr(spec_proposer, "tensor_parallel", lambda: True)
+    monkeypatch.setattr(spec_proposer, "every_rank", lambda flag, device: offered.append(flag) or False)
+    target_config = SimpleNamespace(hf_config=SimpleNamespace(flash_head_cache_dir="flash_head_assets"))
+    monkeypatch.setattr(setup.proposer, "vllm_config", SimpleNamespace(model_config=target_config), raising=False)
+    spec_proposer.link_drafter(setup.proposer, setup.target_model)
+    spec_proposer.agree_drafter(setup.proposer, setup.target_model)
+    assert offered == [not this_rank_fails]  # this rank's own answer went into the one collective
+    assert setup.proposer.__dict__.get(spec_proposer.DRAFT_ATTR) is None and setup.target.draft is None
+    assert setup.target.status().spec.draft.reason_code == "draft_head_unavailable"
+    assert setup.draft.exchange_width(4) is None
 
 
 def test_a_draft_model_without_assets_stays_dense_with_its_reason(setup):

@@ -1,0 +1,121 @@
+"""FlashHead's promises in combination, on a real server with the default settings (on CPU the head is timed at
+start-up and each step takes the cheaper way: FlashHead's kernels, or the dense product masked to FlashHead's
+answer):
+
+- a request's greedy and seeded sampled text does not depend on its neighbours: alone, among 24 other requests,
+  beside a logprobs request and beside a structured-output request;
+- an update of `n_probes` while a request streams answers at once and never holds up decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from e2e_support import ADMIN_TOKEN, auth, client
+
+pytestmark = pytest.mark.e2e
+
+FLASHHEAD = "/plugins/my_pkg/flashhead"
+PROMPT = "what is the name of the city"
+OTHERS = ["the world and the sun", "hello world", "water food and fire", "one two three four", '{ " name " :']
+#: A greedy request and a seeded sampled one (temperature, top-p, seed: vLLM's per-request generator).
+REQUESTS = {
+    "greedy": {"temperature": 0},
+    "seeded": {"temperature": 0.8, "top_p": 0.9, "seed": 1234},
+}
+
+
+def _status(http) -> dict:
+    response = http.get(FLASHHEAD, headers=auth(ADMIN_TOKEN))
+    assert response.status_code == 200, response.text
+    return response.json()["workers"][0]
+
+
+def _put(http, body: dict):
+    return http.put(FLASHHEAD, json=body, headers=auth(ADMIN_TOKEN))
+
+
+def _text(http, model: str, prompt: str = PROMPT, **params) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 32, "ignore_eos": True, **params}
+    response = http.post("/v1/completions", json=body, headers=auth())
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def _ours_beside(http, model: str, neighbours: list[dict]) -> dict[str, str]:
+    """Our two requests' texts, sent at once with `neighbours` (other tenants' request bodies)."""
+    with ThreadPoolExecutor(len(neighbours) + len(REQUESTS)) as pool:
+        ours = {name: pool.submit(_text, http, model, **params) for name, params in REQUESTS.items()}
+        for body in neighbours:
+            pool.submit(_text, http, model, **body)
+        return {name: future.result() for name, future in ours.items()}
+
+
+@pytest.fixture
+def fh(flashhead_server):
+    with client(flashhead_server) as http:
+        status = _status(http)
+        assert status["dense_batch_threshold"] is None and status["step_costs"] is not None  # the defaults
+        yield http
+        assert _put(http, {"n_probes": status["n_probes"]}).status_code == 200
+
+
+def test_a_requests_text_does_not_depend_on_its_neighbours(fh, flashhead_server):
+    model = flashhead_server.model
+    assert _put(fh, {"n_probes": 1}).status_code == 200  # so few probes that FlashHead's text is not the dense one
+    before = _status(fh)["counters"]
+    alone = {name: _text(fh, model, **params) for name, params in REQUESTS.items()}
+    # Alone twice more: a step of one row is served now and then the other way than its timing picks, to keep both
+    # ways' times fresh, so the repeats cross ways too.
+    for _ in range(2):
+        assert {name: _text(fh, model, **params) for name, params in REQUESTS.items()} == alone
+    load = [{"prompt": OTHERS[i % len(OTHERS)], "temperature": 0.7 * (i % 2), "seed": i} for i in range(24)]
+    assert _ours_beside(fh, model, load) == alone, "under load"
+    assert _ours_beside(fh, model, [{"prompt": OTHERS[0], "logprobs": 3}]) == alone, "beside a logprobs request"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    structured = [{"prompt": "json", "max_tokens": 24, "ignore_eos": False, "structured_outputs": {"json": schema}}]
+    assert _ours_beside(fh, model, structured) == alone, "beside a structured-output request"
+
+    after = _status(fh)
+    counters = after["counters"]
+    served = counters["rows_flashhead"] - before["rows_flashhead"]
+    masked = counters["rows_flashhead_masked"] - before["rows_flashhead_masked"]
+    assert served > 0 and "slower_than_dense" not in counters["rows_dense"], counters
+    assert counters["rows_dense"]["logprobs"] > before["rows_dense"].get("logprobs", 0)
+    assert counters["rows_dense"]["structured_output"] > before["rows_dense"].get("structured_output", 0)
+    assert 0 < masked < served, (masked, served, after["step_costs"]["served"])  # both ways served some steps
+    assert after["recent"]["rows_flashhead_greedy"] > 0 and after["recent"]["rows_flashhead_sampled"] > 0
+    assert counters["fallbacks"] == before["fallbacks"]
+
+
+def _stream(http, body: dict) -> list[float]:
+    """The arrival time of each streamed chunk of one completion."""
+    arrivals: list[float] = []
+    with http.stream("POST", "/v1/completions", json=body, headers=auth()) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                json.loads(line[len("data: ") :])
+                arrivals.append(time.perf_counter())
+    return arrivals
+
+
+def test_an_update_while_requests_stream_answers_at_once_and_never_holds_up_decoding(fh, flashhead_server):
+    """8 requests stream 480 tokens each; once they have streamed for a while, a PUT of `n_probes` answers 200 within
+    2 s, before they end, and no gap between two chunks of any stream reaches 1 s."""
+    body = {"model": flashhead_server.model, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(_stream, fh, body) for _ in range(8)]
+        time.sleep(1.0)
+        started = time.perf_counter()
+        response = _put(fh, {"n_probes": 3})
+        answered = time.perf_counter()
+        arrivals = [stream.result() for stream in streams]
+    assert response.status_code == 200 and answered - started < 2.0, (response.text, answered - started)
+    assert any(times[-1] > answered for times in arrivals), "every stream had ended before the update answered"
+    gaps = [later - earlier for times in arrivals for earlier, later in zip(times, times[1:])]
+    assert max(gaps) < 1.0, max(gaps)
+    assert _status(fh)["n_probes"] == 3
