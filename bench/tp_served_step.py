@@ -41,6 +41,7 @@ from bench._report import (
 from bench.head import sampled_mask
 from bench.served_step import KINDS, _plan_taken
 from bench.tp_head import _free_port
+from my_pkg.engine import setup as engine_setup
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 WORLD = 2
@@ -108,7 +109,7 @@ def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
             )
             processor._my_pkg_flashhead = controller
             started = time.perf_counter()
-            logits_processor.build_head(controller, lm_head)
+            engine_setup.build_head(controller, lm_head)
             report = controller.status().step_costs
             out: dict = {"build_s": time.perf_counter() - started, "costs": report, "rows": []}
             hidden_rows = torch.Generator().manual_seed(1)

@@ -4,7 +4,7 @@ answer):
 
 - a request's greedy and seeded sampled text does not depend on its neighbours: alone, among 24 other requests,
   beside a logprobs request and beside a structured-output request;
-- an update of `n_probes` while a request streams answers at once and never holds up decoding.
+- an update of `n_probes` while requests stream answers at once and never holds up decoding.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _stream(http, body: dict) -> list[float]:
 
 def test_an_update_while_requests_stream_answers_at_once_and_never_holds_up_decoding(fh, flashhead_server):
     """8 requests stream 480 tokens each; once they have streamed for a while, a PUT of `n_probes` answers 200 within
-    2 s, before they end, and no gap between two chunks of any stream reaches 1 s."""
+    2 s, before they end, and while it is in flight (and right after) no stream waits 1 s or more for a chunk."""
     body = {"model": flashhead_server.model, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
     with ThreadPoolExecutor(8) as pool:
         streams = [pool.submit(_stream, fh, body) for _ in range(8)]
@@ -115,7 +115,13 @@ def test_an_update_while_requests_stream_answers_at_once_and_never_holds_up_deco
         answered = time.perf_counter()
         arrivals = [stream.result() for stream in streams]
     assert response.status_code == 200 and answered - started < 2.0, (response.text, answered - started)
-    assert any(times[-1] > answered for times in arrivals), "every stream had ended before the update answered"
-    gaps = [later - earlier for times in arrivals for earlier, later in zip(times, times[1:])]
-    assert max(gaps) < 1.0, max(gaps)
+    assert any(times[-1] > answered + 0.5 for times in arrivals), "the streams ended before the update answered"
+    # Each gap that overlaps the update's flight, or the half second after it (the first steps at the new probes).
+    during = [
+        (later - earlier, earlier - started)
+        for times in arrivals
+        for earlier, later in zip(times, times[1:])
+        if later >= started and earlier <= answered + 0.5
+    ]
+    assert during and max(during)[0] < 1.0, (max(during), answered - started)
     assert _status(fh)["n_probes"] == 3

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from my_pkg.engine import setup as engine_setup
+
 VOCAB, HIDDEN, CAP = 200, 16, 8
 CLUSTERS = VOCAB // CAP
 
@@ -108,12 +110,11 @@ def _scenarios(rank: int, port: int) -> dict[str, Any]:
 def _timed_scenarios(rank: int, lm_head: Any, processor: Any, hidden: Any, centroids: Any, assignments: Any) -> dict:
     from my_pkg.engine.flashhead import FlashHeadController, StepRows
     from my_pkg.engine.flashhead.timing import StepWays
-    from my_pkg.engine.patches import logits_processor
 
     del os.environ["MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD"]
     timed = FlashHeadController(centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB)
     processor._my_pkg_flashhead = timed
-    logits_processor.build_head(timed, lm_head)  # as after the weights load: built, warmed up, timed alone
+    engine_setup.build_head(timed, lm_head)  # as after the weights load: built, warmed up, timed alone
     results: dict[str, Any] = {f"own_timing_{rank}": _sides(timed.step_costs)}
     rows = StepRows(np.zeros(3, np.uint8), np.array([False, True, False]))
     ways = []

@@ -19,9 +19,7 @@ from my_pkg.contract import SPEC_REASON_CODES, SpecPart, SpecState
 from my_pkg.engine.vllm_uses import attributes
 
 #: Read on the `SpeculativeConfig` it is handed (`my_pkg.devtools.compat` checks them).
-VLLM_SYMBOLS = (
-    *attributes("vllm.config:SpeculativeConfig", "method", "num_speculative_tokens"),
-)
+VLLM_SYMBOLS = (*attributes("vllm.config:SpeculativeConfig", "method", "num_speculative_tokens"),)
 
 __all__ = [
     "DRAFT_HEAD_METHODS",

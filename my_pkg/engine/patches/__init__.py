@@ -42,6 +42,8 @@ PATCHES = ("worker", "model_registry", "top_p_sampler")
 FLASHHEAD_HOOKS = ("logits_processor", "model_loader", "model_runner", "model_runner_v2", "spec_proposer")
 
 _NOT_TRIED = "not installed (no FlashHead architecture was resolved in this process)"
+#: The V1 runner's speculative-decoding metadata hook (`model_runner.py` records it, `setup.py` reads it).
+SPEC_METADATA_HOOK = "model_runner.spec_metadata"
 _hook_errors: dict[str, str | None] = {}
 _warned: set[str] = set()
 
@@ -80,6 +82,11 @@ def hook_error(name: str) -> str | None:
     return _hook_errors.get(name, _NOT_TRIED)
 
 
+def record_hook_error(name: str, error: str | None) -> None:
+    """What a hook module found when it installed part `name` of itself (None: installed)."""
+    _hook_errors[name] = error
+
+
 def runner_hook_failure(vllm_config: Any) -> tuple[str, str] | None:
     """`("runner_hook_failed", message)` when the hook of the model runner vLLM uses is not installed.
 
@@ -95,13 +102,6 @@ def runner_hook_failure(vllm_config: Any) -> tuple[str, str] | None:
         return None
     runner = "Model Runner V2" if v2 else "model runner"
     return "runner_hook_failed", f"vLLM's {runner} could not be hooked ({error}); dense head in use"
-
-
-def find_controller(worker: Any) -> Any:
-    """The FlashHead controller of the model `worker` runs, if any (`runner_hooks.find_controller`)."""
-    from my_pkg.engine.patches.runner_hooks import find_controller as find
-
-    return find(worker)
 
 
 def no_controller_status() -> Any:

@@ -21,13 +21,14 @@ import functools
 from typing import Any
 
 from my_pkg.engine.patches.runner_hooks import (
-    WRAPPED,
     controller_in,
     every_rank,
     lm_head_of,
     tensor_parallel,
     warn_once,
+    wrap_once,
 )
+from my_pkg.engine.setup import build_head
 from my_pkg.engine.vllm_uses import attributes, symbol
 
 #: The module whose `process_weights_after_loading` (the name `BaseModelLoader.load_model` calls) is wrapped.
@@ -52,8 +53,6 @@ def build_after_loading(model: Any, model_config: Any) -> None:
         return  # the weights sit in the sleep-mode pool: see `runner_hooks.prepare_after_load`
     lm_head = lm_head_of(model)
     if lm_head is not None:
-        from my_pkg.engine.patches.logits_processor import build_head
-
         build_head(controller, lm_head)
 
 
@@ -82,8 +81,6 @@ def apply() -> None:
     import vllm.model_executor.model_loader.base_loader as base_loader
 
     original = base_loader.process_weights_after_loading
-    if getattr(original, WRAPPED, False):  # applying twice wraps once
-        return
 
     @functools.wraps(original)
     def process_weights_after_loading(model, model_config, target_device, *args, **kwargs):
@@ -95,5 +92,4 @@ def apply() -> None:
         agree_after_loading(model, model_config, target_device)
         return result
 
-    setattr(process_weights_after_loading, WRAPPED, True)
-    base_loader.process_weights_after_loading = process_weights_after_loading
+    wrap_once(base_loader, "process_weights_after_loading", process_weights_after_loading)

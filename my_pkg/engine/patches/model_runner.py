@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows
+from my_pkg.engine.patches import SPEC_METADATA_HOOK, hook_error, record_hook_error
 from my_pkg.engine.patches.runner_hooks import (
-    WRAPPED,
     classify,
     controller_of_runner,
     hook_load_model,
@@ -41,6 +41,7 @@ from my_pkg.engine.patches.runner_hooks import (
     spec_step_rows,
     union_stop_ids,
     warn_once,
+    wrap_once,
 )
 from my_pkg.engine.vllm_uses import attributes, symbol
 
@@ -78,12 +79,11 @@ _STOP_TABLE = "_my_pkg_stop_token_ids"
 _BUILTIN_LOGITS_PROCESSORS = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
 #: Where the step's `(num_draft_tokens, SpecDecodeMetadata)` is kept on the runner, cleared every step.
 _SPEC_STASH = "_my_pkg_spec_step"
-_spec_hook_error: str | None = "not installed"
 
 
 def spec_hook_error() -> str | None:
-    """Why `_calc_spec_decode_metadata` is not hooked in this process; None when it is."""
-    return _spec_hook_error
+    """Why speculative steps cannot be laid out (the metadata hook is not installed); None when they can."""
+    return hook_error(SPEC_METADATA_HOOK)
 
 
 def _has_custom_logits_processors(input_batch: Any) -> bool:
@@ -121,7 +121,7 @@ def runner_step_rows(runner: Any) -> StepRows:
     speculative_config = getattr(runner, "speculative_config", None)
     if speculative_config is None:
         return rows
-    if _spec_hook_error is not None:
+    if spec_hook_error() is not None:
         return StepRows(rows.dense_codes, rows.sampled, rows.stop_ids, all_dense="speculative_verify")
     stash = runner.__dict__.get(_SPEC_STASH)
     if stash is None:  # no metadata this step: one row per request, checked against the logits call
@@ -148,13 +148,9 @@ def _track(input_batch: Any, request: Any) -> None:
 def _hook_spec_metadata(runner_class: type) -> None:
     """Wrap `_calc_spec_decode_metadata` to keep its host inputs and its result for the step; a vLLM
     without it leaves speculative steps dense (`speculative_verify`) and the other hooks installed."""
-    global _spec_hook_error
     original = getattr(runner_class, "_calc_spec_decode_metadata", None)
     if not callable(original):
-        _spec_hook_error = f"{runner_class.__qualname__}._calc_spec_decode_metadata is missing"
-        return
-    if getattr(original, WRAPPED, False):
-        _spec_hook_error = None
+        record_hook_error(SPEC_METADATA_HOOK, f"{runner_class.__qualname__}._calc_spec_decode_metadata is missing")
         return
 
     @functools.wraps(original)
@@ -166,9 +162,8 @@ def _hook_spec_metadata(runner_class: type) -> None:
             warn_once("_calc_spec_decode_metadata", exc)
         return result
 
-    setattr(calc_spec_decode_metadata, WRAPPED, True)
-    runner_class._calc_spec_decode_metadata = calc_spec_decode_metadata
-    _spec_hook_error = None
+    wrap_once(runner_class, "_calc_spec_decode_metadata", calc_spec_decode_metadata)
+    record_hook_error(SPEC_METADATA_HOOK, None)
 
 
 def apply() -> None:
@@ -229,11 +224,6 @@ def apply() -> None:
             warn_once("execute_model", exc)
         return run_armed(controller, lambda: runner_step_rows(self), lambda: original_execute(self, *args, **kwargs))
 
-    for owner, name, hook in (
-        (InputBatch, "add_request", add_request),
-        (InputBatch, "remove_request", remove_request),
-        (GPUModelRunner, "execute_model", execute_model),
-    ):
-        if not getattr(getattr(owner, name), WRAPPED, False):  # applying twice wraps once
-            setattr(hook, WRAPPED, True)
-            setattr(owner, name, hook)
+    wrap_once(InputBatch, "add_request", add_request)
+    wrap_once(InputBatch, "remove_request", remove_request)
+    wrap_once(GPUModelRunner, "execute_model", execute_model)

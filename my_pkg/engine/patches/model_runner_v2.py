@@ -47,7 +47,6 @@ import numpy as np
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows
 from my_pkg.engine.flashhead.spec import without_verify
 from my_pkg.engine.patches.runner_hooks import (
-    WRAPPED,
     classify,
     controller_of_runner,
     hook_load_model,
@@ -58,6 +57,7 @@ from my_pkg.engine.patches.runner_hooks import (
     spec_step_rows,
     union_stop_ids,
     warn_once,
+    wrap_once,
 )
 from my_pkg.engine.vllm_uses import attributes, symbol
 
@@ -252,7 +252,5 @@ def apply() -> None:
             lambda: original_sample(self, hidden_states, input_batch, *args, **kwargs),
         )
 
-    for owner, name, hook in ((Sampler, "add_request", add_request), (GPUModelRunner, "sample", sample)):
-        if not getattr(getattr(owner, name), WRAPPED, False):  # applying twice wraps once
-            setattr(hook, WRAPPED, True)
-            setattr(owner, name, hook)
+    wrap_once(Sampler, "add_request", add_request)
+    wrap_once(GPUModelRunner, "sample", sample)

@@ -18,6 +18,7 @@ import numpy as np
 
 from my_pkg.engine.flashhead.controller import FlashHeadController
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows, request_dense_reason, request_stop_ids
+from my_pkg.engine.setup import build_head
 from my_pkg.engine.vllm_uses import attributes, symbol
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -46,6 +47,13 @@ VLLM_SYMBOLS = (
         subclass_of="vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding",
     ),
 )
+
+
+def wrap_once(owner: Any, name: str, hook: Callable[..., Any]) -> None:
+    """`owner.name = hook`, marked, unless `owner.name` is already one of ours: applying twice wraps once."""
+    if not getattr(getattr(owner, name, None), WRAPPED, False):
+        setattr(hook, WRAPPED, True)
+        setattr(owner, name, hook)
 
 
 def warn_once(hook: str, exc: BaseException) -> None:
@@ -205,8 +213,7 @@ def hook_load_model(owner: type, stop_table_holder: str | None = None) -> None:
             warn_once("load_model", exc)
         return result
 
-    setattr(load_model, WRAPPED, True)
-    owner.load_model = load_model
+    wrap_once(owner, "load_model", load_model)
 
 
 def prepare_after_load(runner: Any, stop_table_holder: str | None = None) -> None:
@@ -229,8 +236,6 @@ def prepare_after_load(runner: Any, stop_table_holder: str | None = None) -> Non
     if lm_head is None:
         logger.info("my_pkg: FlashHead is built at the first logits call (the LM head is not one module)")
         return
-    from my_pkg.engine.patches.logits_processor import build_head
-
     build_head(controller, lm_head)
 
 

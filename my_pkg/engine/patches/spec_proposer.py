@@ -34,7 +34,6 @@ from typing import Any
 
 from my_pkg.engine.flashhead.controller import FlashHeadController
 from my_pkg.engine.patches.runner_hooks import (
-    WRAPPED,
     controller_in,
     every_rank,
     lm_head_of,
@@ -42,7 +41,9 @@ from my_pkg.engine.patches.runner_hooks import (
     run_armed,
     tensor_parallel,
     warn_once,
+    wrap_once,
 )
+from my_pkg.engine.setup import build_head, make_shared_draft_controller
 from my_pkg.engine.vllm_uses import attributes, symbol
 
 TARGET = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
@@ -168,8 +169,6 @@ def _build(proposer: Any, draft: FlashHeadController) -> None:
     """Build the drafter's head over the drafter's LM head (as `runner_hooks.prepare_after_load` does the
     target's), unless vLLM's model loader did (`patches/model_loader.py`); under sleep mode, or when the LM
     head is not one module, its first logits call does."""
-    from my_pkg.engine.patches.logits_processor import build_head
-
     if draft.head is not None or getattr(getattr(proposer, "draft_model_config", None), "enable_sleep_mode", False):
         return
     lm_head = _lm_head(proposer.model)
@@ -182,7 +181,7 @@ def _shared_head_controller(proposer: Any) -> FlashHeadController | None:
     target's assets, on its logits processor (the one FlashHead processor in the drafter); None when it has
     no such processor or the target's assets cannot serve it. Made here, not while vLLM builds the drafter:
     until `load_model` shares the target's LM head, the drafter has none to build it over."""
-    from my_pkg.engine.patches.logits_processor import CONTROLLER_ATTR, make_shared_draft_controller, subclass
+    from my_pkg.engine.patches.logits_processor import CONTROLLER_ATTR, subclass
 
     model = proposer.model
     unwrap = getattr(model, "unwrap", None)
@@ -253,6 +252,4 @@ def apply() -> None:
 
         hooks.append(("_sample_draft_tokens", sample_draft_tokens))
     for name, hook in hooks:
-        if not getattr(getattr(SpecDecodeBaseProposer, name), WRAPPED, False):  # applying twice wraps once
-            setattr(hook, WRAPPED, True)
-            setattr(SpecDecodeBaseProposer, name, hook)
+        wrap_once(SpecDecodeBaseProposer, name, hook)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from my_pkg.engine import setup as engine_setup
 from my_pkg.engine.flashhead import FlashHeadController, StepRows
 from my_pkg.engine.flashhead.rows import DenseReason, request_dense_reason, request_stop_ids
 from my_pkg.engine.patches import logits_processor, model_runner
@@ -186,7 +187,7 @@ def test_the_head_is_timed_beside_vllms_product_unless_vllm_is_batch_invariant(m
     controller = FlashHeadController(
         centroids=centroids, assignments=assignments, config={"n_probes": 2}, vocab_size=VOCAB
     )
-    logits_processor.build_head(controller, lm_head)
+    engine_setup.build_head(controller, lm_head)
     assert controller.head is not None
     if batch_invariant:  # the operator asked for output independent of the batch: no step switches head
         assert controller.step_costs is None and products == []
@@ -295,7 +296,7 @@ def test_unsupported_configurations_are_dense_with_a_reason(change, code, fragme
         lora_config=change.get("lora_config"),
         use_v2_model_runner=change.get("use_v2_model_runner", False),
     )
-    found_code, message = logits_processor._unsupported_reason(config)
+    found_code, message = engine_setup.unsupported_reason(config)
     assert found_code == code and fragment in message
     plain = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
@@ -304,7 +305,7 @@ def test_unsupported_configurations_are_dense_with_a_reason(change, code, fragme
         lora_config=None,
         use_v2_model_runner=False,
     )
-    assert logits_processor._unsupported_reason(plain) is None
+    assert engine_setup.unsupported_reason(plain) is None
 
 
 def _lora_wrapper(base_layer, monkeypatch):
@@ -523,13 +524,11 @@ def test_the_tokenizer_vllm_loads_gives_its_eos_even_as_a_non_special_added_toke
         skip_tokenizer_init=False,
         hf_config=None,
     )
-    pinned = logits_processor.tokenizer_stop_and_special_ids(model_config)
+    pinned = engine_setup.tokenizer_stop_and_special_ids(model_config)
     assert end in pinned and 1 in pinned and 0 in pinned
+    assert engine_setup.tokenizer_stop_and_special_ids(SimpleNamespace(skip_tokenizer_init=True, hf_config=None)) == []
     assert (
-        logits_processor.tokenizer_stop_and_special_ids(SimpleNamespace(skip_tokenizer_init=True, hf_config=None)) == []
-    )
-    assert (
-        logits_processor.tokenizer_stop_and_special_ids(
+        engine_setup.tokenizer_stop_and_special_ids(
             SimpleNamespace(**{**vars(model_config), "tokenizer": str(tmp_path / "missing")})
         )
         == []

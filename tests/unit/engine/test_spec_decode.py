@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from my_pkg.contract import FlashHeadState
+from my_pkg.engine import patches
+from my_pkg.engine import setup as engine_setup
 from my_pkg.engine.flashhead import FlashHeadController, StepRows
 from my_pkg.engine.flashhead.rows import DenseReason
 from my_pkg.engine.flashhead.spec import spec_state
@@ -84,7 +86,7 @@ def test_a_mismatched_draft_count_serves_the_step_dense_with_a_reason():
 
 
 def test_without_the_metadata_hook_speculative_steps_are_dense(monkeypatch):
-    monkeypatch.setattr(model_runner, "_spec_hook_error", "moved")
+    monkeypatch.setitem(patches._hook_errors, patches.SPEC_METADATA_HOOK, "moved")
     rows = model_runner.runner_step_rows(_fake_runner(2, [0.0, 0.0], {}))
     assert rows.all_dense == "speculative_verify"
     assert model_runner.runner_step_rows(_fake_runner(2, [0.0, 0.0], {}, None)).all_dense is None
@@ -196,7 +198,6 @@ def test_the_status_shows_the_parts_and_no_part_is_active_while_flashhead_is_not
 
 
 def test_speculative_decoding_no_longer_turns_flashhead_off():
-    from my_pkg.engine.patches import logits_processor
 
     config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
@@ -204,18 +205,16 @@ def test_speculative_decoding_no_longer_turns_flashhead_off():
         speculative_config=NGRAM,
         lora_config=None,
     )
-    assert logits_processor._unsupported_reason(config) is None
+    assert engine_setup.unsupported_reason(config) is None
 
 
 def test_a_drafter_being_built_is_told_apart_from_the_target():
     from vllm.compilation.backends import set_model_tag
 
-    from my_pkg.engine.patches import logits_processor
-
-    assert not logits_processor._building_drafter()
+    assert not engine_setup.building_drafter()
     for tag in ("eagle_head", "draft_model"):
         with set_model_tag(tag):
-            assert logits_processor._building_drafter()
+            assert engine_setup.building_drafter()
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])

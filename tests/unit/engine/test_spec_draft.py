@@ -399,7 +399,7 @@ def _vllm_config(method, target_assets=True):
 
 
 def test_only_a_draft_model_beside_a_flashhead_target_gets_a_drafters_controller():
-    from my_pkg.engine.patches.logits_processor import _make_draft_controller
+    from my_pkg.engine.setup import make_draft_controller as _make_draft_controller
 
     config = {"flash_head_cache_dir": "flash_head_assets", "n_probes": 5}
     for method in ("eagle", "eagle3", "mtp", "medusa"):  # an EAGLE head gets its controller when it loads (below)
@@ -425,7 +425,7 @@ def eagle(setup, monkeypatch):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.spec_decode.eagle import EagleProposer
 
-    from my_pkg.engine.patches import logits_processor
+    from my_pkg.engine.patches import spec_proposer
 
     setup.target.spec = spec_state(EAGLE, v2=False, hook_error=None, draft_hook_error=None)
     with set_current_vllm_config(VllmConfig()):
@@ -441,7 +441,7 @@ def eagle(setup, monkeypatch):
         )
         return configure_draft(controller, {"n_probes": 3})
 
-    monkeypatch.setattr(logits_processor, "make_shared_draft_controller", make)
+    monkeypatch.setattr(spec_proposer, "make_shared_draft_controller", make)
     proposer = object.__new__(EagleProposer)
     proposer.__dict__.update(
         method="eagle",
@@ -509,7 +509,7 @@ def test_an_eagle_head_with_its_own_lm_head_stays_dense(eagle):
 def test_an_eagle_heads_controller_reads_the_targets_assets_at_its_own_probe_count(tmp_path):
     """The real maker: the target's model config (the drafter's is the EAGLE checkpoint's), its `n_probes` as the
     drafter's, no fidelity check; a target without assets gives none."""
-    from my_pkg.engine.patches.logits_processor import make_shared_draft_controller
+    from my_pkg.engine.setup import make_shared_draft_controller
 
     def config(target_hf):
         target = SimpleNamespace(model=str(tmp_path / "missing"), revision=None, hf_config=target_hf)
