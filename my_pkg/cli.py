@@ -174,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the serving fidelity (agreement, stop-token recall, sampling TV) as JSON",
     )
+    e.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="also write a PNG of top-1 agreement and sampled TV against the share of rows scored "
+        "(needs matplotlib: pip install 'my-pkg[plot]')",
+    )
     e.add_argument("--samples", type=_positive, default=1000)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -391,11 +399,26 @@ def _calibrate(
         f"calibrated stage 1 on {hidden.shape[0]:,} hidden states ({source}) in {time.perf_counter() - t0:.1f} s; "
         f"{held:,} held out"
     )
+    variants = cal.variants
+    if variants:
+        print(
+            "stage 1 under the probe rule: "
+            + ", ".join(
+                f"{name.replace('_', '-')} needs n_probes={rule.n_probes}"
+                + ("" if rule.meets else " (does not meet the target)")
+                for name, rule in variants.items()
+            )
+            + f"; {cal.stage1_reason}"
+        )
+    other = "weight-only" if cal.stage1 == "calibrated" else "calibrated"
+    other_agreement = (
+        cal.weight_only_same_probes if cal.stage1 == "calibrated" else cal.calibrated_same_probes
+    ).agreement
     print(
         f"held-out top-1 agreement at n_probes={cal.n_probes} ({choice.scored_fraction:.1%} of the vocabulary "
-        f"scored, {cal.num_pinned} pinned ids): calibrated {choice.agreement:.4f} (>= {choice.agreement_lower:.4f} "
-        f"with {args.target_confidence:.0%} confidence), weight-only {cal.weight_only_same_probes.agreement:.4f} "
-        f"(it needs n_probes={cal.weight_only.n_probes})"
+        f"scored, {cal.num_pinned} pinned ids): {cal.stage1.replace('_', '-')} {choice.agreement:.4f} "
+        f"(>= {choice.agreement_lower:.4f} with {args.target_confidence:.0%} confidence), {other} "
+        f"{other_agreement:.4f}"
     )
     for name, (rows, alone, at) in cal.validation.items():
         print(
@@ -462,10 +485,14 @@ def _calibration_summary(record) -> str:
         "text": "a calibration text",
         "hidden_states": "calibration hidden states",
     }.get(source, str(source))
-    return (
+    kept = record.get("stage1", "calibrated")
+    summary = (
         f"calibrated on {record.get('rows', '?'):,} states of {what}; n_probes {record.get('n_probes')} chosen "
         f"for top-1 agreement {record.get('target_agreement')}"
     )
+    if kept == "weight_only":
+        summary += "; the weight-only stage 1 was kept (it needs fewer probes)"
+    return summary
 
 
 def _eval(args) -> int:
@@ -493,6 +520,10 @@ def _eval(args) -> int:
     )
     from .flashhead.settings import default_settings
 
+    if args.plot is not None:
+        from .flashhead.plot import require_matplotlib
+
+        require_matplotlib()  # before any work: a missing extra fails at once
     device = _device(args.device)
     config = read_config(args.model_dir)
     cent, assign = load_assets(args.model_dir, config)
@@ -538,6 +569,8 @@ def _eval(args) -> int:
         probes = [settings.n_probes] if args.json else sorted({min(p, head.num_clusters) for p in DEFAULT_EVAL_PROBES})
     pinned = stop_and_special_token_ids(args.model_dir, config)
     fidelity = serving_fidelity(head, hidden, probes, pinned=pinned, postprocess=logit_postprocess(config))
+    if args.plot is not None:
+        _plot(args, head, hidden, probes, pinned, config)
     if args.json:
         print(
             json.dumps(
@@ -577,6 +610,34 @@ def _eval(args) -> int:
     )
     print(format_fidelity_table(fidelity))
     return 0
+
+
+#: The builder's default ``--target-agreement``: the promise drawn on a plot of assets without a calibration record.
+DEFAULT_TARGET_AGREEMENT = 0.995
+
+
+def _plot(args, head, hidden, probes: list[int], pinned, config: dict) -> None:
+    """``eval --plot``: the agreement and sampled-TV curves as a PNG (message on stderr under ``--json``)."""
+    from .flashhead.assets import CALIBRATION_KEY
+    from .flashhead.evaluate import fidelity_curves, logit_postprocess, plot_probe_counts
+    from .flashhead.plot import plot_fidelity
+
+    record = config.get(CALIBRATION_KEY)
+    target = record.get("target_agreement") if isinstance(record, dict) else None
+    target = float(target) if isinstance(target, (int, float)) else DEFAULT_TARGET_AGREEMENT
+    curves = fidelity_curves(
+        head,
+        hidden,
+        plot_probe_counts(head.num_clusters, head.n_probes, probes),
+        pinned=pinned,
+        postprocess=logit_postprocess(config),
+    )
+    title = (
+        f"{Path(args.model_dir).name}: FlashHead vs the dense head on {hidden.shape[0]:,} hidden states "
+        f"(vocab {head.vocab_size:,}, {head.num_clusters:,} clusters of {head.cluster_size})"
+    )
+    path = plot_fidelity(args.plot, curves, served_n_probes=head.n_probes, target_agreement=target, title=title)
+    print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,11 @@ __all__ = [
     "scored_fraction",
     "choose_n_probes",
     "calibrate_stage1",
+    "ProbeRule",
+    "apply_probe_rule",
+    "keep_stage1",
+    "CALIBRATED",
+    "WEIGHT_ONLY",
 ]
 
 _MAX_WINNERS = 8  # distinct clusters holding a tied dense argmax kept per state
@@ -462,8 +467,9 @@ def choose_n_probes(
 class StageOneCalibration:
     """Outcome of :func:`calibrate_stage1`: the vectors to write, the probe count and the evidence.
 
-    ``choice``: the fitted vectors at the probe count to write.  ``weight_only``: what the weight-only
-    vectors would need under the same rule; ``weight_only_same_probes``: them at ``choice.n_probes``.
+    ``choice``: the kept vectors at the probe count to write (held-out split).  ``weight_only``: the
+    weight-only vectors on the held-out split at the count the rule gives them; ``weight_only_same_probes``:
+    them at ``choice.n_probes``.
     """
 
     centroids: torch.Tensor
@@ -478,6 +484,11 @@ class StageOneCalibration:
     # name -> (states, the count that set alone needs, the set judged at the written count)
     validation: dict[str, tuple[int, ProbeChoice, ProbeChoice]] = field(default_factory=dict)
     pooled: ProbeChoice | None = None  # every validation state (held-out split included) at the written count
+    stage1: str = "calibrated"  # the variant kept: CALIBRATED or WEIGHT_ONLY (`centroids` are its vectors)
+    stage1_reason: str = ""  # one line: why that variant was kept
+    variants: dict[str, ProbeRule] = field(default_factory=dict)  # each variant under the rule, count free
+    fitted_centroids: torch.Tensor | None = None  # the fitted vectors, kept or not
+    calibrated_same_probes: ProbeChoice | None = None  # the fitted vectors at ``choice.n_probes`` (held-out split)
 
     @property
     def n_probes(self) -> int:
@@ -499,6 +510,18 @@ class StageOneCalibration:
             "target_certified": self.choice.certified,
             "weight_only_heldout_agreement": round(self.weight_only_same_probes.agreement, 6),
             "weight_only_n_probes": self.weight_only.n_probes,
+            "stage1": self.stage1,
+            "stage1_reason": self.stage1_reason,
+            "stage1_variants": {
+                name: {
+                    "n_probes_needed": rule.n_probes,
+                    "meets_target": rule.meets,
+                    "agreement": round(rule.pooled.agreement, 6),
+                    "agreement_lower_bound": round(rule.pooled.agreement_lower, 6),
+                    "scored_fraction": round(rule.pooled.scored_fraction, 6),
+                }
+                for name, rule in self.variants.items()
+            },
             "pinned_ids": self.num_pinned,
             "epochs": self.fit.epochs,
             "best_epoch": self.fit.best_epoch,
@@ -519,6 +542,113 @@ class StageOneCalibration:
         }
 
 
+@dataclass
+class ProbeRule:
+    """The probe-count rule applied to one stage 1 over every validation set (:func:`apply_probe_rule`).
+
+    ``n_probes``: the count the rule gives; ``meets``: below all clusters, every set's estimate shows at most
+    ``1 / margin`` of the misses the target allows and the pooled lower bound reaches the target there.
+    ``per_set``: name -> the count that set alone needs; ``at``: name -> the set judged at ``n_probes``;
+    ``pooled``: every state pooled, at ``n_probes``.
+    """
+
+    n_probes: int
+    meets: bool
+    per_set: dict[str, ProbeChoice]
+    at: dict[str, ProbeChoice]
+    pooled: ProbeChoice
+
+
+def apply_probe_rule(
+    needed: dict[str, torch.Tensor],
+    num_clusters: int,
+    cluster_size: int,
+    vocab_size: int,
+    *,
+    num_pinned: int = 0,
+    target_agreement: float = 0.995,
+    confidence: float = 0.95,
+    margin: float = PROBE_MARGIN,
+    n_probes: int | None = None,
+) -> ProbeRule:
+    """The smallest count at which every set's estimate shows at most ``1 / margin`` of the misses the target
+    allows and the one-sided ``confidence`` bound over all sets pooled reaches the target (``n_probes``: that
+    count instead, judged the same way).  ``needed``: name -> :func:`probes_needed` of that set's states."""
+    layout = (num_clusters, cluster_size, vocab_size)
+    pooled_needed = torch.cat(list(needed.values()))
+    per_set = {
+        name: choose_n_probes(
+            n, *layout, num_pinned=num_pinned, target_agreement=target_agreement, confidence=0.5, margin=margin
+        )
+        for name, n in needed.items()
+    }
+    first = choose_n_probes(
+        pooled_needed, *layout, num_pinned=num_pinned, target_agreement=target_agreement, confidence=confidence
+    )
+    count = n_probes if n_probes is not None else max([first.n_probes, *(ch.n_probes for ch in per_set.values())])
+    choose = dict(target_agreement=target_agreement, confidence=confidence, margin=margin, num_pinned=num_pinned)
+    at = {name: choose_n_probes(n, *layout, n_probes=count, **choose) for name, n in needed.items()}
+    pooled = choose_n_probes(
+        pooled_needed,
+        *layout,
+        num_pinned=num_pinned,
+        n_probes=count,
+        target_agreement=target_agreement,
+        confidence=confidence,
+    )
+    estimate_target = 1.0 - (1.0 - target_agreement) / margin
+    meets = (
+        count < num_clusters
+        and pooled.certified
+        and all(choice.agreement >= estimate_target - 1e-12 for choice in at.values())
+    )
+    return ProbeRule(n_probes=count, meets=meets, per_set=per_set, at=at, pooled=pooled)
+
+
+#: Names of the two stage-1 variants a calibrated build measures (``flash_head_calibration.stage1``).
+CALIBRATED, WEIGHT_ONLY = "calibrated", "weight_only"
+
+
+def keep_stage1(calibrated: ProbeRule, weight_only: ProbeRule, *, fixed_probes: bool = False) -> tuple[str, str]:
+    """``(kept variant, one-line reason)``: the stage 1 that meets the promise with the fewest probes.
+
+    Both meet it: fewer probes wins, a tie goes to the higher pooled agreement, then to the calibrated one.
+    One meets it: that one.  Neither: the one needing fewer probes (the rule's fallback), said so.  With a
+    fixed probe count (``--n-probes``): the one with the higher pooled agreement there (tie: calibrated).
+    """
+    cal, wo = calibrated, weight_only
+    if fixed_probes:
+        kept = WEIGHT_ONLY if wo.pooled.agreement > cal.pooled.agreement else CALIBRATED
+        return kept, (
+            f"n_probes fixed at {cal.n_probes}: kept the {kept.replace('_', '-')} stage 1, the higher held-out "
+            f"agreement there ({max(cal.pooled.agreement, wo.pooled.agreement):.4f} vs "
+            f"{min(cal.pooled.agreement, wo.pooled.agreement):.4f})"
+        )
+    if cal.meets and wo.meets:
+        if wo.n_probes < cal.n_probes or (wo.n_probes == cal.n_probes and wo.pooled.agreement > cal.pooled.agreement):
+            return WEIGHT_ONLY, (
+                f"kept the weight-only stage 1: it meets the target with n_probes={wo.n_probes}, "
+                f"the calibrated one needs {cal.n_probes}"
+            )
+        return CALIBRATED, (
+            f"kept the calibrated stage 1: it meets the target with n_probes={cal.n_probes}, "
+            f"the weight-only one needs {wo.n_probes}"
+        )
+    if cal.meets or wo.meets:
+        kept, other = (CALIBRATED, wo) if cal.meets else (WEIGHT_ONLY, cal)
+        name = "weight-only" if kept == CALIBRATED else "calibrated"
+        return kept, (
+            f"kept the {kept.replace('_', '-')} stage 1: the {name} one does not meet the target below all "
+            f"clusters (its rule's count {other.n_probes})"
+        )
+    kept = WEIGHT_ONLY if wo.n_probes < cal.n_probes else CALIBRATED
+    return kept, (
+        f"neither stage 1 meets the target below all clusters on the validation states; kept the "
+        f"{kept.replace('_', '-')} one, whose estimate reaches it with fewer probes "
+        f"({min(cal.n_probes, wo.n_probes)} vs {max(cal.n_probes, wo.n_probes)})"
+    )
+
+
 def calibrate_stage1(
     weight: torch.Tensor,
     assignments: torch.Tensor,
@@ -533,11 +663,12 @@ def calibrate_stage1(
     seed: int = 0,
     margin: float = PROBE_MARGIN,
     validation: dict[str, torch.Tensor] | None = None,
+    keep_best: bool = True,
     device: str | torch.device = "cpu",
     progress: bool = False,
     **fit_options,
 ) -> StageOneCalibration:
-    """Fit the stage-1 vectors and choose ``n_probes`` on states the fit never saw.
+    """Fit the stage-1 vectors, choose ``n_probes`` on states the fit never saw, and keep the better stage 1.
 
     1. Dense float32 targets of every state (:func:`cluster_targets`).
     2. Fit on the fitting split, early-stopped on the held-out split (:func:`fit_stage1`).
@@ -545,12 +676,12 @@ def calibrate_stage1(
        set (states of another source, e.g. the model's own samples when calibrating on a text), stage 1 scored
        in the head's dtype as serving scores it: the smallest count at which every set's estimate shows at most
        ``1 / margin`` of the misses the target allows and the one-sided ``confidence`` lower bound over all
-       these states pooled reaches the target (:func:`choose_n_probes`).  The weight-only ``init`` is judged on
-       the held-out split for comparison.
+       these states pooled reaches the target (:func:`apply_probe_rule`).
+    4. The weight-only ``init`` is judged by the same rule on the same states; with ``keep_best`` the stage 1
+       that meets the target with fewer probes is kept (:func:`keep_stage1`), else the fitted one.
     """
     c = init.shape[0]
     _check_target(target_agreement, confidence)
-    choose = dict(target_agreement=target_agreement, confidence=confidence, margin=margin)
     if n_probes is not None and not 1 <= n_probes <= c:
         raise ValueError(f"n_probes must lie in [1, {c}], got {n_probes}")
     v = assignments.numel()
@@ -574,55 +705,57 @@ def calibrate_stage1(
     )
     layout = (c, int(torch.bincount(assignments, minlength=c).max()), v)
     held_h, held_t = hidden[fit.heldout_rows].to(device), targets.rows(fit.heldout_rows)
-    needed = {"heldout": probes_needed(fit.centroids, held_h, held_t, dtype=weight.dtype)}
+    sets: dict[str, tuple[torch.Tensor, ClusterTargets]] = {"heldout": (held_h, held_t)}
     for name, states in (validation or {}).items():
         states = states.to(device)
         t = cluster_targets(weight, assignments, states, num_clusters=c, pinned_ids=pinned, top_k=1, device=device)
-        needed[name] = probes_needed(fit.centroids, states, t, dtype=weight.dtype)
-    # Each set's estimate must show at most 1/margin of the allowed misses; the states of all sets pooled must
-    # show the target with the confidence (a small held-out split alone would demand zero misses).
-    per_set = {
-        name: choose_n_probes(
-            n, *layout, num_pinned=len(pinned), target_agreement=target_agreement, confidence=0.5, margin=margin
-        )
-        for name, n in needed.items()
-    }
-    pooled = choose_n_probes(
-        torch.cat(list(needed.values())),
-        *layout,
+        sets[name] = (states, t)
+    rule = dict(
         num_pinned=len(pinned),
         target_agreement=target_agreement,
         confidence=confidence,
+        margin=margin,
+        n_probes=n_probes,
     )
-    written = n_probes if n_probes is not None else max([pooled.n_probes, *(ch.n_probes for ch in per_set.values())])
-    at_written = {
-        name: choose_n_probes(n, *layout, num_pinned=len(pinned), n_probes=written, **choose)
-        for name, n in needed.items()
-    }
-    needed_init = probes_needed(init, held_h, held_t, dtype=weight.dtype)
+
+    def needed_by(centroids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: probes_needed(centroids, h, t, dtype=weight.dtype) for name, (h, t) in sets.items()}
+
+    needed = {CALIBRATED: needed_by(fit.centroids), WEIGHT_ONLY: needed_by(init)}
+    # What each variant needs under the rule (the record's figures), and each at the count to write.
+    free = {name: apply_probe_rule(n, *layout, **{**rule, "n_probes": None}) for name, n in needed.items()}
+    fixed = free if n_probes is None else {name: apply_probe_rule(n, *layout, **rule) for name, n in needed.items()}
+    if keep_best:
+        kept, reason = keep_stage1(fixed[CALIBRATED], fixed[WEIGHT_ONLY], fixed_probes=n_probes is not None)
+    else:
+        kept, reason = CALIBRATED, "kept the calibrated stage 1 (no comparison asked for)"
+    chosen = fixed[kept]
+    written = chosen.n_probes
+    choose = dict(target_agreement=target_agreement, confidence=confidence, margin=margin)
+    held_init = needed[WEIGHT_ONLY]["heldout"]
     return StageOneCalibration(
-        centroids=fit.centroids,
-        choice=at_written["heldout"],
-        weight_only=choose_n_probes(needed_init, *layout, num_pinned=len(pinned), **choose),
-        weight_only_same_probes=choose_n_probes(
-            needed_init, *layout, num_pinned=len(pinned), n_probes=written, **choose
-        ),
+        centroids=fit.centroids if kept == CALIBRATED else init.detach().to("cpu", torch.float32).clone(),
+        choice=chosen.at["heldout"],
+        weight_only=free[WEIGHT_ONLY].at["heldout"],
+        weight_only_same_probes=choose_n_probes(held_init, *layout, num_pinned=len(pinned), n_probes=written, **choose),
         fit=fit,
         num_pinned=len(pinned),
         target_agreement=target_agreement,
         confidence=confidence,
         margin=margin,
-        pooled=choose_n_probes(
-            torch.cat(list(needed.values())),
-            *layout,
-            num_pinned=len(pinned),
-            n_probes=written,
-            target_agreement=target_agreement,
-            confidence=confidence,
-        ),
+        pooled=chosen.pooled,
         validation={
-            name: (int(needed[name].numel()), per_set[name], at_written[name]) for name in needed if name != "heldout"
+            name: (int(sets[name][0].shape[0]), chosen.per_set[name], chosen.at[name])
+            for name in sets
+            if name != "heldout"
         },
+        stage1=kept,
+        stage1_reason=reason,
+        variants=free,
+        calibrated_same_probes=choose_n_probes(
+            needed[CALIBRATED]["heldout"], *layout, num_pinned=len(pinned), n_probes=written, **choose
+        ),
+        fitted_centroids=fit.centroids,
     )
 
 

@@ -411,11 +411,20 @@ def test_cli_calibration_text_writes_fitted_vectors_and_chosen_probes(tiny_llama
     assert record["target_agreement"] == 0.99 and record["n_probes"] == config["n_probes"]
     assert record["heldout_agreement_lower_bound"] >= 0.99 and record["target_certified"] and record["target_reached"]
     assert config["architectures"] == ["FlashHeadLlamaForCausalLM"] and config["flash_head_cache_dir"] == CACHE_DIR_NAME
-    # Published layout: [hidden, clusters]; same clusters as the weight-only build, other stage-1 vectors.
+    # Published layout: [hidden, clusters]; same clusters as the weight-only build. The builder writes the
+    # stage 1 that meets the target with fewer probes (test_stage1_choice.py): the fitted vectors, or the
+    # weight-only build's own.
     cache, base = (load_file(str(d / CACHE_DIR_NAME / CACHE_FILE_NAME)) for d in (calibrated, weight_only))
     assert cache["centroids"].shape == base["centroids"].shape == (64, 32)
     assert torch.equal(cache["cluster_assignments"], base["cluster_assignments"])
-    assert not torch.allclose(cache["centroids"], base["centroids"])
+    variants = record["stage1_variants"]
+    kept, other = variants[record["stage1"]], variants[({"calibrated", "weight_only"} - {record["stage1"]}).pop()]
+    assert kept["n_probes_needed"] == record["n_probes"] and kept["meets_target"]
+    assert kept["n_probes_needed"] <= other["n_probes_needed"] or not other["meets_target"]
+    if record["stage1"] == "weight_only":
+        assert torch.equal(cache["centroids"], base["centroids"])
+    else:
+        assert not torch.allclose(cache["centroids"], base["centroids"])
     centroids, _ = load_assets(calibrated, config)
     assert torch.equal(centroids, cache["centroids"].t())
     # Sampled rows' tail estimate is fitted to the same states; a weight-only build has none.
