@@ -87,7 +87,8 @@ def bench_shape(vocab: int, hidden: int, dtype: torch.dtype, batches: list[int],
     report = controller.status().step_costs
     print(
         f"  timed at start-up at {report.batches} rows: dense {report.dense_ms} ms, greedy {report.greedy_ms} ms, "
-        f"sampled {report.sampled_ms} ms, mixed {report.mixed_ms} ms",
+        f"sampled {report.sampled_ms} ms, mixed {report.mixed_ms} ms, masked greedy {report.masked_greedy_ms} ms, "
+        f"masked sampled {report.masked_sampled_ms} ms",
         flush=True,
     )
     generator = torch.Generator().manual_seed(1)

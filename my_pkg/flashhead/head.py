@@ -489,26 +489,34 @@ class FlashHead:
         mask = _host_mask(sampled, num_rows)
         if mask is None:
             mask = np.zeros(num_rows, dtype=bool)
-        out = torch.full_like(exact, float("-inf"))
+        out = None
         for rows_sampled in (False, True):
             chosen = np.flatnonzero(mask == rows_sampled)
             if not chosen.size:
                 continue
-            index = index_tensor(chosen, hidden.device)
-            part_hidden = hidden.index_select(0, index)
-            part_exact = exact.index_select(0, index)
+            whole = chosen.size == num_rows  # one kind of row: no copies in and out
+            index = None if whole else index_tensor(chosen, hidden.device)
+            part_hidden = hidden if index is None else hidden.index_select(0, index)
+            part_exact = exact if index is None else exact.index_select(0, index)
+            part_probes = probes if probes is None or index is None else probes.index_select(0, index)
             width = self.sampled_n_probes if rows_sampled else self._n_probes
-            part_probes = None if probes is None else probes.index_select(0, index)
             ids = torch_ref.candidate_ids(self.members, self._probes(part_hidden, part_probes, width))
-            part = torch.full_like(part_exact, float("-inf"))
             if rows_sampled and self._sampled_rank:
                 raw = self._tail_tables().estimates(part_hidden)
                 best = self._rescored(raw, ids)
                 part = post(raw).to(exact.dtype)
                 if best is not None:
                     ids = torch.cat([ids, best], dim=1)
+            else:
+                part = torch.full_like(part_exact, float("-inf"))
             part.scatter_(1, ids, part_exact.gather(1, ids))
-            out.index_copy_(0, index, part)
+            if index is None:
+                out = part
+            else:
+                if out is None:
+                    out = torch.empty_like(exact)
+                out.index_copy_(0, index, part)
+        assert out is not None  # at least one row
         if pinned is not None and pinned.numel():
             out[:, pinned] = exact[:, pinned]
         return out

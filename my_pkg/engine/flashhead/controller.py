@@ -330,21 +330,30 @@ class FlashHeadController:
                     _milliseconds(times),
                 )
 
+    def _own_probes(self) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        """A step's probes without an exchange: None (the head's own stage 1), or under tensor parallelism this rank's
+        best clusters of its share, merged as the exchanged ones are (without the other ranks' keys)."""
+        head, stage1, width = self.head, self.stage1, self._keys_width()
+        assert head is not None
+
+        def probes(hidden: torch.Tensor) -> torch.Tensor | None:
+            if stage1 is None or width is None:
+                return None
+            return merge_probes(stage1.keys(hidden, width), width, head.num_clusters)
+
+        return probes
+
     def _head_step(self) -> Callable[[torch.Tensor, np.ndarray], torch.Tensor]:
         """This head's decode step on `(hidden, sampled)` as `compute_logits` runs it, pinned ids included (the
         step's stop ids and the model's logit scale aside): what the warm-up runs and the timing times. Under
-        tensor parallelism stage 1 is this rank's share: its best clusters merged as the exchanged ones are
-        (without the other ranks' keys, and without the exchange)."""
-        head, pins, stage1, width = self.head, self._pins, self.stage1, self._keys_width()
+        tensor parallelism stage 1 is this rank's share (`_own_probes`)."""
+        head, pins, probes = self.head, self._pins, self._own_probes()
         assert head is not None
         pinned = pins.get((), head.weight) if pins is not None else None
 
         def step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
-            probes = None
-            if stage1 is not None and width is not None:
-                probes = merge_probes(stage1.keys(hidden, width), width, head.num_clusters)
             sampled_rows = sampled if self.settings.probe_sampling else None
-            logits = head.step_logits(hidden, sampled=sampled_rows, probes=probes)
+            logits = head.step_logits(hidden, sampled=sampled_rows, probes=probes(hidden))
             if pins is not None:
                 pins.score(logits, hidden, pinned, lambda x: x)
             return logits
@@ -356,20 +365,17 @@ class FlashHeadController:
     ) -> Callable[[torch.Tensor, np.ndarray], torch.Tensor]:
         """The masked way's step on `(hidden, sampled)` as `compute_logits` runs it: `dense` (vLLM's product for the
         head), then every row masked to FlashHead's answer (`FlashHead.masked_logits`)."""
-        head, pins, stage1, width = self.head, self._pins, self.stage1, self._keys_width()
+        head, pins, probes = self.head, self._pins, self._own_probes()
         assert head is not None
         pinned = pins.get((), head.weight) if pins is not None else None
 
         def step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
-            probes = None
-            if stage1 is not None and width is not None:
-                probes = merge_probes(stage1.keys(hidden, width), width, head.num_clusters)
             return head.masked_logits(
                 hidden,
                 dense(hidden),
                 sampled=sampled if self.settings.probe_sampling else None,
                 pinned=pinned[0] if pinned is not None else None,
-                probes=probes,
+                probes=probes(hidden),
             )
 
         return step

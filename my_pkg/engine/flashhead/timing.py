@@ -7,7 +7,8 @@ Both ways give every row FlashHead's answer (FlashHead's kernels, or the dense p
 2. predicts each way's seconds from the served steps of that key (a running mean), else from the start-up
    timing (`StepCosts`), else prefers FlashHead's kernels;
 3. keeps the way it took last for the key unless the other is predicted `switch_margin` cheaper (hysteresis),
-   and serves one step in `explore_every` of a key the other way, so that both ways' times stay fresh;
+   and serves the second step of a key, then one step in `explore_every`, the other way, so that both ways have
+   times from served steps soon (the start-up timing extrapolates past the batches it reached) and keep them fresh;
 4. forgets FlashHead's kernels' times after an update that changes their cost (`n_probes`): the next steps of each key
    time it again while they serve, instead of a re-timing that would hold up the engine.
 
@@ -85,8 +86,10 @@ class StepWays:
             served.way = min(_WAYS, key=lambda way: predicted[way] * (self.switch_margin if way == "masked" else 1))
         elif predicted[other] * self.switch_margin < predicted[served.way]:
             served.way = other
-        elif served.steps % self.explore_every == 0 and math.isfinite(predicted[other]):
-            return other
+        elif math.isfinite(predicted[other]) and (
+            served.steps % self.explore_every == 0 or (served.steps == 2 and getattr(served, f"{other}_s") is None)
+        ):
+            return other  # the second step of a bucket, then one in `explore_every`: both ways' times from served steps
         return served.way
 
     def observe(self, greedy: int, sampled: int, dense: int, way: StepPlan, seconds: float) -> None:

@@ -30,6 +30,7 @@ def test_served_times_correct_the_timing_only_past_the_switch_margin():
     assert ways.choose(8, 0) == "masked"
     ways.observe(8, 0, 0, "masked", 5.0)
     ways.observe(8, 0, 0, "flashhead", 4.8)  # cheaper, but within 10 %: the way stays
+    assert ways.choose(8, 0) == "masked"  # the second step: it already has both ways' times
     assert ways.choose(8, 0) == "masked"
     for _ in range(10):
         ways.observe(8, 0, 0, "flashhead", 3.0)  # the running mean falls well below 5 / 1.1
@@ -38,10 +39,20 @@ def test_served_times_correct_the_timing_only_past_the_switch_margin():
     assert ways.choose(3, 0) == "flashhead" and ways.choose(8, 8) == "masked"  # other buckets and kinds: their own
 
 
-def test_one_step_in_explore_every_takes_the_other_way():
+def test_the_second_step_then_one_step_in_explore_every_takes_the_other_way():
     ways = StepWays(PRIOR, explore_every=4)
     taken = [ways.choose(8, 0) for _ in range(8)]
-    assert taken == ["masked", "masked", "masked", "flashhead", "masked", "masked", "masked", "flashhead"]
+    assert taken == ["masked", "flashhead", "masked", "flashhead", "masked", "masked", "masked", "flashhead"]
+
+
+def test_a_timing_that_extrapolated_wrong_is_corrected_by_the_second_step():
+    """Past the timed batches the prior can be far off: one served step each way decides."""
+    ways = StepWays(PRIOR, explore_every=1000)
+    assert ways.choose(64, 0) == "masked"  # the prior says the kernels cost 10 at 8 rows and more beyond
+    ways.observe(64, 0, 0, "masked", 9.0)
+    assert ways.choose(64, 0) == "flashhead"  # the second step: the other way, once
+    ways.observe(64, 0, 0, "flashhead", 3.0)
+    assert ways.choose(64, 0) == "flashhead"
 
 
 def test_an_update_forgets_the_kernels_times_and_serves_them_until_timed_again():
