@@ -4,7 +4,7 @@ answer):
 
 - a request's greedy and seeded sampled text does not depend on its neighbours: alone, among 24 other requests,
   beside a logprobs request and beside a structured-output request;
-- an update of `n_probes` while requests stream answers at once and never holds up decoding.
+- an update of `n_probes` while requests stream answers at once and does not hold up decoding while in flight.
 """
 
 from __future__ import annotations
@@ -91,37 +91,41 @@ def test_a_requests_text_does_not_depend_on_its_neighbours(fh, flashhead_server)
     assert counters["fallbacks"] == before["fallbacks"]
 
 
-def _stream(http, body: dict) -> list[float]:
-    """The arrival time of each streamed chunk of one completion."""
-    arrivals: list[float] = []
+def _stream(http, body: dict, arrivals: list[float]) -> None:
+    """Stream one completion, appending each chunk's arrival time to `arrivals` as it comes."""
     with http.stream("POST", "/v1/completions", json=body, headers=auth()) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 json.loads(line[len("data: ") :])
                 arrivals.append(time.perf_counter())
-    return arrivals
 
 
 def test_an_update_while_requests_stream_answers_at_once_and_never_holds_up_decoding(fh, flashhead_server):
-    """8 requests stream 480 tokens each; once they have streamed for a while, a PUT of `n_probes` answers 200 within
-    2 s, before they end, and while it is in flight (and right after) no stream waits 1 s or more for a chunk."""
+    """8 requests stream 480 tokens each; once one has streamed 40 chunks, a PUT of `n_probes` answers 200 within
+    2 s while they still stream, and no stream waits 1 s or more for a chunk while the update is in flight.
+    (Re-timing the head inside the update, as before, held the update and every stream for seconds.)"""
     body = {"model": flashhead_server.model, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    arrivals: list[list[float]] = [[] for _ in range(8)]
     with ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(_stream, fh, body) for _ in range(8)]
-        time.sleep(1.0)
+        streams = [pool.submit(_stream, fh, body, times) for times in arrivals]
+        deadline = time.perf_counter() + 120
+        while len(arrivals[0]) < 40 and not streams[0].done():
+            assert time.perf_counter() < deadline, "the first stream did not start"
+            time.sleep(0.005)
         started = time.perf_counter()
         response = _put(fh, {"n_probes": 3})
         answered = time.perf_counter()
-        arrivals = [stream.result() for stream in streams]
+        for stream in streams:
+            stream.result()
     assert response.status_code == 200 and answered - started < 2.0, (response.text, answered - started)
-    assert any(times[-1] > answered + 0.5 for times in arrivals), "the streams ended before the update answered"
-    # Each gap that overlaps the update's flight, or the half second after it (the first steps at the new probes).
+    assert any(times[-1] > answered for times in arrivals), "the streams ended before the update answered"
+    # Each gap that overlaps the update's flight.
     during = [
         (later - earlier, earlier - started)
         for times in arrivals
         for earlier, later in zip(times, times[1:])
-        if later >= started and earlier <= answered + 0.5
+        if later >= started and earlier <= answered
     ]
     assert during and max(during)[0] < 1.0, (max(during), answered - started)
     assert _status(fh)["n_probes"] == 3

@@ -29,7 +29,7 @@ METRICS = """# HELP my_pkg_flashhead_rows_total Rows (tokens) through the LM hea
 # TYPE my_pkg_flashhead_rows_total counter
 my_pkg_flashhead_rows_total{dp_rank="0",rank="0",path="flashhead"} 120.0
 my_pkg_flashhead_rows_total{dp_rank="0",rank="1",path="flashhead"} 30.0
-my_pkg_flashhead_rows_total{dp_rank="0",rank="0",path="dense",reason="slower_than_dense"} 4.0
+my_pkg_flashhead_rows_total{dp_rank="0",rank="0",path="dense",reason="logprobs"} 4.0
 my_pkg_flashhead_rows_total{dp_rank="0",rank="0",path="dense",reason="disabled"} 6.0
 my_pkg_flashhead_steps_total{dp_rank="0",rank="0"} 99.0
 """
@@ -37,10 +37,10 @@ my_pkg_flashhead_steps_total{dp_rank="0",rank="0"} 99.0
 
 def test_rows_counters_sum_workers_and_keep_dense_reasons():
     counters = rows_counters(_Metrics(METRICS))
-    assert counters == {"flashhead": 150.0, "dense:slower_than_dense": 4.0, "dense:disabled": 6.0}
+    assert counters == {"flashhead": 150.0, "dense:logprobs": 4.0, "dense:disabled": 6.0}
     before = {"flashhead": 100.0, "dense:disabled": 6.0}
     flash, dense, reasons = _share(before, counters)
-    assert flash == 50.0 and dense == 4.0 and reasons == {"slower_than_dense": 4.0}
+    assert flash == 50.0 and dense == 4.0 and reasons == {"logprobs": 4.0}
 
 
 def test_stored_demo_model_has_a_head_large_against_its_body():

@@ -23,9 +23,8 @@ picks V2 (`VllmConfig.use_v2_model_runner`). It hooks:
   (`runner_hooks.prepare_after_load`).
 
 Under speculative decoding a request with `n` drafts has `n + 1` logits rows, laid out as under V1:
-verify rows served as the table of docs/flashhead-serving.md says (greedy ones are FlashHead's greedy
-rows; sampled ones score their draft token exactly), read from V2's host `cu_num_logits_np` and
-`num_draft_tokens_per_req`; the draft tokens stay on the device (`spec_rows`). V2's adaptive
+verify rows served as the table of docs/flashhead-serving.md says (each row as without speculation), read
+from V2's host `cu_num_logits_np` and `num_draft_tokens_per_req` (`spec_rows`). V2's adaptive
 verification reallocates drafts on the device only, so its steps are dense (`speculative_verify`, and
 `spec.verify.reason_code: "model_runner_v2"`). V2's drafters keep their dense heads.
 
