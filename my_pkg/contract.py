@@ -648,6 +648,11 @@ class AuditEntry(BaseModel):
         default=None,
         description="Per engine: `dp_rank` and `outcome` (committed, aborted, failed, refused, not_reached).",
     )
+    answered_status_code: int | None = Field(
+        default=None,
+        description="What the caller was told, where it differs from the outcome: 504 for an update that applied "
+        "after its caller stopped waiting.",
+    )
     count: int = Field(default=1, description="Refusals: how many were collapsed into this entry.")
     first_time: str | None = Field(default=None, description="Refusals: when the first one happened.")
 

@@ -468,7 +468,8 @@ async def engine_audit(state: AdminState) -> list[dict[str, Any]]:
 
 def merged_audit(engine_entries: list[dict[str, Any]], local: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The engines' entries with this API server's outcomes: an outcome of a transaction the engines kept
-    (partial, failed) is folded into that entry; the others are listed as they are. Oldest first."""
+    (partial, failed) is folded into that entry, and so is a 504 its caller got before it applied
+    (`answered_status_code`); the others are listed as they are. Oldest first."""
     by_txn = {e["transaction"]: e for e in engine_entries if e.get("result") == "applied" and e.get("transaction")}
     rest = []
     for entry in local:
@@ -476,6 +477,8 @@ def merged_audit(engine_entries: list[dict[str, Any]], local: list[dict[str, Any
         if kept is not None and entry.get("result") in ("partial", "failed"):
             outcome = ("result", "status_code", "committed_engines", "outcomes", "reason")
             kept.update({k: entry[k] for k in outcome if k in entry})
+        elif kept is not None and entry.get("result") == "pending":
+            kept["answered_status_code"] = entry["status_code"]
         else:
             rest.append(entry)
     return sorted([*engine_entries, *rest], key=lambda e: e["time"])

@@ -120,9 +120,10 @@ def test_an_update_while_requests_stream_answers_at_once_and_never_holds_up_deco
             stream.result()
     assert response.status_code == 200 and answered - started < 2.0, (response.text, answered - started)
     assert any(times[-1] > answered for times in arrivals), "the streams ended before the update answered"
-    # Each gap that overlaps the update's flight.
+    # How long each stream waited for a chunk while the update was in flight (a wait that began before the PUT was
+    # sent counts from the PUT on: the update cannot have caused what came before it).
     during = [
-        (later - earlier, earlier - started)
+        (min(later, answered) - max(earlier, started), later - earlier, earlier - started)
         for times in arrivals
         for earlier, later in zip(times, times[1:])
         if later >= started and earlier <= answered

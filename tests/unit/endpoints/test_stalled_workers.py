@@ -80,6 +80,10 @@ async def test_an_update_whose_wait_expires_is_still_applied_on_every_worker(sta
     assert engine.methods[:2] == ["my_pkg_flashhead_prepare", "my_pkg_flashhead_commit"]
     assert [fh["n_probes"] for fh in engine.fh] == [3, 3]
     engine.delay = 0.0
+    mutations = (await c.get("/plugins/my_pkg/audit")).json()["mutations"]
+    # One entry for the transaction: what the engines kept, with the 504 its caller got folded in.
+    [entry] = [m for m in mutations if m.get("transaction") == err["transaction"]]
+    assert (entry["result"], entry["answered_status_code"], entry["kept_by"]) == ("applied", 504, [0])
     r = await c.put(FLASHHEAD, json={"n_probes": 5})
     assert r.status_code == 200, r.text
     assert [fh["n_probes"] for fh in engine.fh] == [5, 5]
