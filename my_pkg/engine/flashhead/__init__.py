@@ -5,11 +5,15 @@
 - `rows`: which rows of a step FlashHead may serve (request classification, `StepRows`).
 - `pins`: the token ids scored exactly on every row, with their cached weight rows.
 - `telemetry`: counters, the head's timer and the live fidelity check.
+- `timing`: which way serves each step (FlashHead's kernels or the masked dense product).
+- `exchange`: tensor parallelism's stage-1 exchange (what each rank sends).
+- `report`: the status reply's parts and the start-up timing's log lines.
 
 Where vLLM meets them is `my_pkg.engine.patches`.
 """
 
-from my_pkg.engine.flashhead.controller import FlashHeadController, status_without_controller
+from my_pkg.engine.flashhead.controller import FlashHeadController
+from my_pkg.engine.flashhead.report import status_without_controller
 from my_pkg.engine.flashhead.rows import StepRows
 
 __all__ = ["FlashHeadController", "StepRows", "status_without_controller"]

@@ -26,15 +26,15 @@ or a worker). Its life, in order:
    `FlashHeadUpdate`; the contract already checked its types, this checks what the model decides).
 
 Its parts live beside it: which rows a step may serve (`rows.py`), the counters, timer and fidelity
-check (`telemetry.py`), the pinned ids (`pins.py`) and the start-up settings
-(`my_pkg.flashhead.settings`). This module imports torch, numpy and the contract; vLLM objects
+check (`telemetry.py`), the pinned ids (`pins.py`), the way each step takes (`timing.py`), the
+tensor-parallel stage-1 exchange (`exchange.py`), the status reply's parts (`report.py`) and the
+start-up settings (`my_pkg.flashhead.settings`). This module imports torch, numpy and the contract; vLLM objects
 reach it as plain arguments.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
@@ -44,39 +44,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from my_pkg.contract import (
-    DenseReason,
-    FlashHeadState,
-    FlashHeadUpdate,
-    ReasonCode,
-    SampledEstimate,
-    SpecState,
-    StepCostsReport,
-)
+from my_pkg.contract import DenseReason, FlashHeadState, FlashHeadUpdate, ReasonCode, SpecState, StepCostsReport
+from my_pkg.engine.flashhead import exchange
 from my_pkg.engine.flashhead.pins import PinnedRows
+from my_pkg.engine.flashhead.report import (
+    DISABLED_REASON,
+    NO_ASSETS_REASON,
+    NOT_BUILT_REASON,
+    log_step_costs,
+    sampled_estimate,
+    step_costs_report,
+)
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.spec import effective as effective_spec
 from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer, RecentSteps
 from my_pkg.engine.flashhead.timing import StepWays
 from my_pkg.flashhead.layout import hidden_major
-from my_pkg.flashhead.probes import NO_KEY, ShardStage1, merge_probes
+from my_pkg.flashhead.probes import ShardStage1, merge_probes
 from my_pkg.flashhead.settings import default_settings
 from my_pkg.flashhead.staging import index_tensor
 from my_pkg.flashhead.step_costs import StepCosts, measure_step_costs
 from my_pkg.flashhead.tail_estimate import TailFactors
 
-__all__ = ["FlashHeadController", "NO_ASSETS_REASON", "status_without_controller"]
-
-#: Reasons a controller can be unavailable on some ranks of a tensor-parallel model and not others (the
-#: rest come from the configuration or the head's type, the same on every rank): such a rank still
-#: takes part in the stage-1 exchange, so that no other rank waits for it.
-RANK_LOCAL_CODES = frozenset({"build_failed", "warm_up_failed"})
+__all__ = ["FlashHeadController"]
 
 logger = logging.getLogger(f"vllm.{__name__}")
-
-NO_ASSETS_REASON = "the model has no FlashHead assets (no flash_head_cache_dir in config.json)"
-DISABLED_REASON = "disabled (MY_PKG_FLASHHEAD=0 or PUT enabled=false)"
-NOT_BUILT_REASON = "not built yet (built right after vLLM loads the weights, or at the first logits call)"
 
 
 class FlashHeadController:
@@ -307,28 +299,7 @@ class FlashHeadController:
         self.ways = StepWays(self.step_costs)
         report = self._step_costs_report()
         assert report is not None
-        logger.info(
-            "my_pkg: FlashHead timed beside the dense head at %s rows: dense %s ms, greedy %s ms, sampled %s ms, "
-            "masked greedy %s ms, masked sampled %s ms; FlashHead's rows of larger steps are made from the dense "
-            "product (the same tokens) from %s greedy rows, %s sampled rows; served steps correct these times",
-            report.batches,
-            report.dense_ms,
-            report.greedy_ms,
-            report.sampled_ms,
-            report.masked_greedy_ms,
-            report.masked_sampled_ms,
-            report.masked_from_greedy or "none",
-            report.masked_from_sampled or "none",
-        )
-        for name in ("dense_s", "greedy_s"):
-            times = getattr(self.step_costs, name)
-            if any(later < 0.8 * earlier for earlier, later in zip(times, times[1:])):
-                logger.warning(
-                    "my_pkg: FlashHead's start-up timing is not monotonic in the batch (%s: %s ms); the machine was "
-                    "busy while it timed: served steps' own times correct it",
-                    name,
-                    _milliseconds(times),
-                )
+        log_step_costs(self.step_costs, report)
 
     def _own_probes(self) -> Callable[[torch.Tensor], torch.Tensor | None]:
         """A step's probes without an exchange: None (the head's own stage 1), or under tensor parallelism this rank's
@@ -446,79 +417,27 @@ class FlashHeadController:
     # ---- tensor parallelism: stage 1 split over the ranks -----------------------------------
 
     def exchange_width(self, num_rows: int) -> int | None:
-        """Keys each rank sends per row in the stage-1 exchange of an armed step of `num_rows` rows, or None
-        when the step exchanges nothing: FlashHead disabled or off on every rank (`agree`), or a step above
-        `dense_batch_threshold`. Read from the settings, the agreed availability and the step's size only,
-        which every rank holds alike (the admin API updates all ranks between steps), never from this rank's
-        head, timing or the step's rows: every rank of a step gets the same answer, so all of them or none
-        reach the collective, with the same shape (`stage1_payload`)."""
-        width = self._keys_width()
-        if width is None:
-            return None
-        threshold = self.settings.dense_batch_threshold
-        if threshold is not None and num_rows > threshold:
-            return None
-        return width
+        """Keys each rank sends per row in the stage-1 exchange of an armed step of `num_rows` rows, or None when the
+        step exchanges nothing (`exchange.exchange_width`). Read from the settings, the agreed availability and the
+        step's size only, which every rank holds alike (the admin API updates all ranks between steps), never from
+        this rank's head, timing or rows: all ranks or none reach the collective, with the same shape."""
+        return exchange.exchange_width(self._keys_width(), self.settings.dense_batch_threshold, num_rows)
 
     def _keys_width(self) -> int | None:
-        """Keys per row of the stage-1 exchange (None: this model exchanges nothing, `exchange_width`). The width
-        covers both kinds of rows: greedy rows probe `n_probes`, sampled rows `sampled_n_probes`."""
-        if not self.settings.enabled or self.num_clusters is None or self.dense_on_every_rank:
-            return None
-        if not self.available and self.unavailable_code not in RANK_LOCAL_CODES:
-            return None
-        width = self.settings.n_probes
-        if self.settings.probe_sampling and self.settings.sampled_n_probes is not None:
-            width = max(width, self.settings.sampled_n_probes)
-        return min(width, self.num_clusters)
-
-    def stage1_keys(self, hidden: torch.Tensor, width: int) -> tuple[torch.Tensor, bool]:
-        """`([rows, width] int64 keys, scored)`: this rank's best clusters of its share of the centroids
-        (`ShardStage1.keys`), to be exchanged. Never raises: when its share cannot be scored the keys
-        rank this share's clusters below every scored one (`scored` False; the failure is counted and
-        this rank serves its shard dense), so the exchange keeps its shape and no rank waits."""
-        num_rows = int(hidden.shape[0])
-        try:
-            if self.stage1 is None:
-                raise RuntimeError("this rank's share of the centroids was not built")
-            return self.stage1.keys(hidden, width), True
-        except Exception as exc:  # noqa: BLE001 - the exchange must happen whatever fails here
-            self.record_fallback(exc, num_rows)
-        try:
-            if self.stage1 is not None:
-                return self.stage1.unscored_keys(num_rows, width), False
-        except Exception:  # noqa: BLE001
-            pass
-        return torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), False
+        part = exchange.takes_part(self.unavailable_code, self.dense_on_every_rank)
+        return exchange.keys_width(self.settings, self.num_clusters, part=part)
 
     def stage1_payload(
         self, hidden: torch.Tensor, width: int, rows: StepRows | None = None
     ) -> tuple[torch.Tensor, bool]:
-        """`([rows, width] int64, scored)`: what this rank sends in the stage-1 exchange, its `stage1_keys`. When
-        every row of the step needs the dense head (`rows`, alike on every rank), the keys are not scored: no rank
-        probes anything this step. Never raises: whatever fails, the payload keeps its shape (keys that rank this
-        share last; counted)."""
-        num_rows = int(hidden.shape[0])
-        try:
-            if self._dense_on_every_rank(rows):
-                return torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), True
-            return self.stage1_keys(hidden, width)
-        except Exception as exc:  # noqa: BLE001 - the exchange must happen, with its shape, whatever fails here
-            self.record_fallback(exc, num_rows)
-            return torch.full((num_rows, width), NO_KEY, dtype=torch.int64, device=hidden.device), False
+        """`([rows, width] int64, scored)`: what this rank sends in the stage-1 exchange (`exchange.payload`);
+        never raises, failures are counted as fallbacks."""
+        return exchange.payload(self.stage1, hidden, width, rows, self.record_fallback)
 
     def stage1_received(self, gathered: torch.Tensor, width: int) -> torch.Tensor:
         """Every rank's keys `[rows, tp * width]` from the gathered payloads (`stage1_payload`)."""
         self.counters.stage1_exchanges += 1
         return gathered.reshape(int(gathered.shape[0]), -1)
-
-    def _dense_on_every_rank(self, rows: StepRows | None) -> bool:
-        """Whether every row of the step of `rows` needs the dense head (alike on every rank). False whenever unsure
-        (never raises)."""
-        try:
-            return rows is not None and (rows.all_dense is not None or bool(np.all(rows.dense_codes)))
-        except Exception:  # noqa: BLE001 - then the keys are scored, as on any step
-            return False
 
     def agree(self, every_rank_available: bool) -> None:
         """Tensor parallelism: what the ranks agreed when the model loaded (one collective over the TP group, made by
@@ -544,7 +463,7 @@ class FlashHeadController:
 
         `dense` computes vLLM's own logits for some rows; `postprocess` applies
         the model's logit scale/soft-cap to the finite logits FlashHead makes. Under tensor
-        parallelism `exchanged` (`[rows, tp * width]`) holds every rank's `stage1_keys` of this step:
+        parallelism `exchanged` (`[rows, tp * width]`) holds every rank's `stage1_payload` of this step:
         the FlashHead rows probe the best of them (`merge_probes`), as the full stage 1 would.
         """
         num_rows = hidden.shape[0]
@@ -697,7 +616,7 @@ class FlashHeadController:
             sampled_n_probes=self._sampled_n_probes(),
             sampled_rank=self._status_sampled_rank(),
             sampled_rescore=head.sampled_rescore if head is not None and self.settings.probe_sampling else None,
-            sampled_estimate=self._sampled_estimate(),
+            sampled_estimate=sampled_estimate(head, self.settings.probe_sampling),
             pinned_token_ids=list(self.pinned_ids),
             fidelity_every=self.settings.fidelity_every,
             backend=head.backend if head is not None else None,
@@ -709,39 +628,13 @@ class FlashHeadController:
         )
 
     def _step_costs_report(self) -> StepCostsReport | None:
-        costs, every = self.step_costs, self._checked_every()
-        if costs is None:
-            return None
-        return StepCostsReport(
-            batches=list(costs.batches),
-            dense_ms=_milliseconds(costs.dense_s),
-            greedy_ms=_milliseconds(costs.greedy_s),
-            sampled_ms=_milliseconds(costs.sampled_s) if costs.sampled_s is not None else None,
-            mixed_ms=[None if math.isnan(ms) else ms for ms in _milliseconds(costs.mixed_s)]
-            if costs.mixed_s is not None
-            else None,
-            masked_greedy_ms=_milliseconds(costs.masked_greedy_s) if costs.masked_greedy_s is not None else None,
-            masked_sampled_ms=_milliseconds(costs.masked_sampled_s) if costs.masked_sampled_s is not None else None,
-            masked_from_greedy=costs.masked_from(sampled=False, check_every=every),
-            masked_from_sampled=costs.masked_from(sampled=True, check_every=every)
-            if costs.sampled_s is not None
-            else None,
-            served=self.ways.report(),
-        )
+        return step_costs_report(self.step_costs, self.ways.report(), self._checked_every())
 
     def _spec_with_draft(self) -> SpecState | None:
         """`spec` with the drafter's probe count when FlashHead serves the drafter's head."""
         if self.spec is None or self.draft is None:
             return self.spec
         return self.spec.model_copy(update={"draft_n_probes": self.draft.settings.n_probes})
-
-    def _sampled_estimate(self) -> SampledEstimate | None:
-        head = self.head
-        if head is None:
-            return None
-        if not self.settings.probe_sampling or head.sampled_rank == 0:
-            return "off"
-        return "fitted" if head.tail_fitted else "weight_only"
 
     def _sampled_rank(self, hidden_size: int, vocab_size: int) -> int:
         """The configured rank, at most the hidden size (the head refuses more), else the head's default for
@@ -821,36 +714,3 @@ class FlashHeadController:
 def _as_update(update: FlashHeadUpdate | dict[str, Any]) -> FlashHeadUpdate:
     """The contract model; a plain mapping (an older caller) is validated into it."""
     return update if isinstance(update, FlashHeadUpdate) else FlashHeadUpdate.model_validate(update)
-
-
-def status_without_controller(code: ReasonCode = "no_assets", reason: str = NO_ASSETS_REASON) -> FlashHeadState:
-    """Status of a worker whose model has no FlashHead controller, for `reason` (every field set)."""
-    return FlashHeadState(
-        available=False,
-        active=False,
-        reason=reason,
-        reason_code=code,
-        enabled=False,
-        num_clusters=None,
-        cluster_size=None,
-        vocab_size=None,
-        n_probes=None,
-        dense_batch_threshold=None,
-        probe_sampling=None,
-        sampled_n_probes=None,
-        sampled_rank=None,
-        sampled_rescore=None,
-        sampled_estimate=None,
-        pinned_token_ids=None,
-        fidelity_every=None,
-        backend=None,
-        extra_memory_bytes=None,
-        step_costs=None,
-        counters=Counters().snapshot(),
-        recent=RecentSteps().report(),
-        spec=None,
-    )
-
-
-def _milliseconds(seconds: Iterable[float]) -> list[float]:
-    return [round(value * 1e3, 4) for value in seconds]

@@ -106,7 +106,7 @@ def runner_hook_failure(vllm_config: Any) -> tuple[str, str] | None:
 
 def no_controller_status() -> Any:
     """The `FlashHeadState` of a worker whose model has no controller, with the reason."""
-    from my_pkg.engine.flashhead.controller import status_without_controller
+    from my_pkg.engine.flashhead.report import status_without_controller
 
     error = _hook_errors.get("logits_processor")
     if error is not None:
