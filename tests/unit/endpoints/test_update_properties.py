@@ -210,6 +210,7 @@ def machine(make_app, client_for, fake_engines_cls, engines: int, api_servers: i
     return Updates
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("engines", "api_servers"), [(1, 2), (2, 2), (3, 2)])
 def test_updates_stay_all_or_none_under_faults(
     engines, api_servers, monkeypatch, make_app, client_for, fake_engines_cls

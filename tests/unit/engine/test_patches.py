@@ -492,6 +492,7 @@ def test_the_union_of_stop_ids():
     assert union_stop_ids([(9,), (4, 9), (2,)]) == (2, 4, 9)
 
 
+@pytest.mark.slow
 def test_the_tokenizer_vllm_loads_gives_its_eos_even_as_a_non_special_added_token(tmp_path):
     """`--tokenizer` in another directory than the model's, whose EOS was added with `add_tokens`
     (special=false, as in many ChatML fine-tunes): its id is pinned, read from the tokenizer vLLM loads."""

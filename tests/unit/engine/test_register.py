@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 PROBE = textwrap.dedent(
     """
     import json, sys
@@ -70,6 +72,7 @@ def _probe(prelude: str = "", then: str = "extra = {}", **env: str) -> tuple[dic
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
+@pytest.mark.slow
 def test_register_applies_every_patch_once_and_imports_lazily():
     result, _ = _probe(then=RESOLVE_FLASHHEAD)
     assert result["lazy_import"] is True
@@ -100,6 +103,7 @@ def test_register_applies_every_patch_once_and_imports_lazily():
     assert result["no_controller"]["reason_code"] == "no_assets"
 
 
+@pytest.mark.slow
 def test_installing_the_plugin_leaves_another_plugins_logits_processor_working():
     """A second general plugin that replaces LogitsProcessor, loaded after ours, in the same
     process: vLLM does not catch its assertion on a duplicate, so our registration must not
@@ -121,6 +125,7 @@ def test_installing_the_plugin_leaves_another_plugins_logits_processor_working()
     assert stderr.count("FlashHead cannot hook vLLM's logits") == 1
 
 
+@pytest.mark.slow
 def test_disable_leaves_vllm_untouched():
     result, _ = _probe(MY_PKG_DISABLE="1")
     assert result["methods"] == []
@@ -128,6 +133,7 @@ def test_disable_leaves_vllm_untouched():
     assert result["logits_processor"] is None
 
 
+@pytest.mark.slow
 def test_moved_internal_warns_once_and_leaves_that_component_alone():
     # The worker patch cannot find WorkerBase: it must warn, not raise, and the other
     # patches still apply. (The probe re-imports WorkerBase afterwards, so restore it.)
@@ -147,6 +153,7 @@ def test_moved_internal_warns_once_and_leaves_that_component_alone():
     assert stderr.count("vllm.v1.worker.worker_base.WorkerBase") == 1
 
 
+@pytest.mark.slow
 def test_vllms_model_inspection_subprocess_can_load_a_flashhead_entry():
     """vLLM inspects an uncached architecture in a subprocess, pickling the registry entry."""
     then = textwrap.dedent(

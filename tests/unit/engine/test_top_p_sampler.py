@@ -77,6 +77,7 @@ def test_where_vllm_uses_triton_nothing_is_replaced(ops, vllm_function, monkeypa
     assert ops.apply_top_k_top_p_pytorch is vllm_function
 
 
+@pytest.mark.slow
 def test_register_installs_it_in_every_process():
     code = (
         "import json, my_pkg.engine\n"

@@ -54,6 +54,7 @@ def _dense():
     return hidden @ weight.T
 
 
+@pytest.mark.slow
 def test_each_rank_scores_half_of_the_centroids_and_its_vocabulary_shard(results):
     assert [results[r]["share"] for r in (0, 1)] == [(0, CLUSTERS // 2), (CLUSTERS // 2, CLUSTERS)]
     assert [results[r]["vocab_range"] for r in (0, 1)] == [(0, 128), (128, VOCAB)]  # vLLM pads shards to 64

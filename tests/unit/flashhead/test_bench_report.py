@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -29,6 +31,7 @@ def test_write_section_keeps_other_sections(tmp_path):
     assert "CPU" in desc and "torch" in desc
 
 
+@pytest.mark.slow
 def test_bench_head_runs_small():
     proc = subprocess.run(
         [

@@ -276,6 +276,7 @@ def _shifted(build):
     return [s for s in SOURCES if s != build]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "build, within, target",
     [("docstrings", 0.10, 0.995), ("code", 0.10, 0.995), ("self", 0.12, 0.995), ("self", 0.12, 0.999)],
@@ -321,6 +322,7 @@ def test_trained_lm_builder_choice_of_n_probes_holds_on_shifted_text(trained, bu
         assert unseen >= 0.995, (build, source, cal.n_probes, unseen)
 
 
+@pytest.mark.slow
 def test_trained_lm_default_build_sampled_rows_on_shifted_text(trained):
     """Sampled rows of the default (self-calibrated) build at the default sampled-row settings, on both sources
     (mean / p90 / max TV in vLLM's sampler semantics, as ``eval --json`` reports them): the issue's targets

@@ -38,6 +38,7 @@ def _run_script_without_vllm(*args: str, env: dict[str, str] | None = None) -> s
     return _run(code, env)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_interpret_mode_checks_every_dtype_and_passes(tmp_path):
     out = tmp_path / "gpu_check.json"
@@ -63,6 +64,7 @@ def test_without_cuda_it_explains_and_exits_2():
     assert "no CUDA device" in proc.stdout and "--interpret" in proc.stdout
 
 
+@pytest.mark.slow
 @needs_triton
 def test_checks_fail_on_broken_kernels():
     # The checker itself must be able to fail: break each Triton kernel in turn and look for the failure.

@@ -91,6 +91,7 @@ def check_case(backend: str, shape: tuple[int, ...], dtype: torch.dtype) -> None
     assert torch.equal(torch.isfinite(step), finite)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "V{}xH{}+{}_B{}_P{}".format(*s))
 @pytest.mark.parametrize("backend", BACKEND_CASES)

@@ -71,6 +71,7 @@ def _tv(result) -> dict[tuple[float, float], float]:
     return {(s.temperature, s.top_p): s.tv_distance for s in result.sampling}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage1", ["calibrated", "weight-only"])
 def test_sampled_rows_meet_the_tv_targets_at_the_default_settings(models, stage1, capsys, monkeypatch):
     for name in ("MY_PKG_FLASHHEAD_N_PROBES", "MY_PKG_FLASHHEAD_SAMPLED_N_PROBES", "MY_PKG_FLASHHEAD_SAMPLED_RANK"):

@@ -113,6 +113,7 @@ def test_generated_states_are_the_models_own_samples(fixture):
     assert 0.5 < entropy < UNIFORM_LOSS - 2.0, entropy
 
 
+@pytest.mark.slow
 def test_code_documents_have_no_docstrings_and_split_by_text():
     documents = collect_code_documents()
     assert len(documents) > 2000

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow
 def test_package_imports_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
@@ -33,6 +36,7 @@ def test_package_imports_without_triton():
     assert "vllm" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_flashhead_does_not_import_vllm():
     code = "import sys, my_pkg.flashhead, my_pkg.cli; print('vllm' in sys.modules)"
     proc = subprocess.run(

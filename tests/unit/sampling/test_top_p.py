@@ -131,6 +131,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "vocab", "k_mode", "dtype", "window"), CASES)
 def test_mask_matches_vllm(kind, vocab, k_mode, dtype, window):
     # One row per p, twice: mixed batches with p = 1 rows, as vLLM sends them.
