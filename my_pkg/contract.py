@@ -64,25 +64,8 @@ FLASHHEAD_ABORT: Final = "my_pkg_flashhead_abort"
 #: `() -> AuditReply`: the audit entries this worker keeps (rank 0 of each engine keeps them).
 AUDIT: Final = "my_pkg_audit"
 
-WORKER_METHOD_NAMES: Final = (
-    PING,
-    WORKER_INFO,
-    CONFIG,
-    STATUS,
-    FLASHHEAD_STATUS,
-    FLASHHEAD_VALIDATE,
-    FLASHHEAD_APPLY,
-    FLASHHEAD_PREPARE,
-    FLASHHEAD_COMMIT,
-    FLASHHEAD_ABORT,
-    AUDIT,
-)
-
 #: Sections of `GET /plugins/my_pkg/config/{section}`; each is the worker's `<section>_config`.
 CONFIG_SECTIONS: Final = ("scheduler", "model", "cache", "parallel")
-
-#: Fields of `FlashHeadUpdate`, in the order the API documents them.
-UPDATE_FIELDS: Final = ("enabled", "n_probes", "dense_batch_threshold", "draft_n_probes")
 
 
 # ---- replies ---------------------------------------------------------------------------------------
@@ -749,6 +732,29 @@ def update_errors(update: Any) -> list[str]:
     return []
 
 
+# ---- the registry: each worker method's reply, the update's fields --------------------------------------
+
+#: Every worker method of the engine half (the name `collective_rpc` takes) and the model of its reply: the
+#: engine half builds each reply with it, the endpoint half parses each reply with it (`parse_replies` refuses
+#: another), and a test calls every worker method and validates its reply with it.
+WORKER_METHOD_REPLIES: Final[dict[str, type[RankedReply]]] = {
+    PING: PingReply,
+    WORKER_INFO: WorkerIdentity,
+    CONFIG: WorkerConfig,
+    STATUS: WorkerStatus,
+    FLASHHEAD_STATUS: FlashHeadStatus,
+    FLASHHEAD_VALIDATE: ValidationReply,
+    FLASHHEAD_APPLY: CommitReply,
+    FLASHHEAD_PREPARE: PrepareReply,
+    FLASHHEAD_COMMIT: CommitReply,
+    FLASHHEAD_ABORT: LeaseReply,
+    AUDIT: AuditReply,
+}
+WORKER_METHOD_NAMES: Final = tuple(WORKER_METHOD_REPLIES)
+
+#: Fields of `FlashHeadUpdate`, in the order the API documents them.
+UPDATE_FIELDS: Final = tuple(FlashHeadUpdate.model_fields)
+
 __all__ = [
     "AUDIT",
     "FLASHHEAD_ABORT",
@@ -789,6 +795,7 @@ __all__ = [
     "UPDATE_FIELDS",
     "WORKER_INFO",
     "WORKER_METHOD_NAMES",
+    "WORKER_METHOD_REPLIES",
     "FlashHeadCounters",
     "FlashHeadState",
     "FlashHeadStatus",

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from my_pkg.contract import RPC_PREFIX, STATUS, SettingsValues, WorkerStatus
+from my_pkg.contract import RPC_PREFIX, STATUS, WORKER_METHOD_REPLIES, SettingsValues, WorkerStatus
 from my_pkg.endpoints.audit import AuditLog
 from my_pkg.endpoints.auth import TokenSet
 from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, DEFAULT_STATUS_MAX_AGE, logger
@@ -492,7 +492,10 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 def parse_replies(method: str, model: type[R], replies: list[Any]) -> list[R]:
-    """Every worker's reply validated with ``model``, sorted by (dp_rank, rank); 503 for any that is not valid."""
+    """Every worker's reply validated with ``model``, sorted by (dp_rank, rank); 503 for any that is not valid.
+    ``model`` must be the contract's reply model of ``method`` (`WORKER_METHOD_REPLIES`)."""
+    if WORKER_METHOD_REPLIES.get(method) is not model:
+        raise TypeError(f"{method} replies with {WORKER_METHOD_REPLIES.get(method)}, not {model.__name__}")
     parsed: list[R] = []
     for index, reply in enumerate(replies):
         if not isinstance(reply, Mapping):

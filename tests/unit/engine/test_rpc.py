@@ -170,26 +170,35 @@ def np_int():
 
 # ---- the contract: both halves use the same models --------------------------------------------------
 
-REPLY_MODELS = {
-    contract.PING: (contract.PingReply, ()),
-    contract.WORKER_INFO: (contract.WorkerIdentity, ()),
-    contract.CONFIG: (contract.WorkerConfig, ("cache",)),
-    contract.STATUS: (contract.WorkerStatus, ()),
-    contract.FLASHHEAD_STATUS: (contract.FlashHeadStatus, ()),
-    contract.FLASHHEAD_VALIDATE: (contract.ValidationReply, ({"n_probes": 2},)),
-    contract.FLASHHEAD_APPLY: (contract.CommitReply, ({"n_probes": 2},)),
-    contract.FLASHHEAD_PREPARE: (contract.PrepareReply, ({"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5})),
-    contract.FLASHHEAD_ABORT: (contract.LeaseReply, ({"id": "t", "holder": "h", "lease_s": 5},)),
-    contract.FLASHHEAD_COMMIT: (
-        contract.CommitReply,
-        ({"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5, "new_version": 1}),
-    ),
-    contract.AUDIT: (contract.AuditReply, ()),
+#: Arguments to call each worker method with (the contract gives its reply model).
+ARGUMENTS = {
+    contract.PING: (),
+    contract.WORKER_INFO: (),
+    contract.CONFIG: ("cache",),
+    contract.STATUS: (),
+    contract.FLASHHEAD_STATUS: (),
+    contract.FLASHHEAD_VALIDATE: ({"n_probes": 2},),
+    contract.FLASHHEAD_APPLY: ({"n_probes": 2},),
+    contract.FLASHHEAD_PREPARE: ({"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5}),
+    contract.FLASHHEAD_ABORT: ({"id": "t", "holder": "h", "lease_s": 5},),
+    contract.FLASHHEAD_COMMIT: ({"n_probes": 2}, {"id": "t", "holder": "h", "lease_s": 5, "new_version": 1}),
+    contract.AUDIT: (),
 }
+REPLY_MODELS = {name: (model, ARGUMENTS[name]) for name, model in contract.WORKER_METHOD_REPLIES.items()}
 
 
 def test_the_worker_methods_are_the_contracts():
-    assert set(rpc.WORKER_METHODS) == set(contract.WORKER_METHOD_NAMES) == set(REPLY_MODELS)
+    assert set(rpc.WORKER_METHODS) == set(contract.WORKER_METHOD_NAMES) == set(ARGUMENTS)
+    assert all(name.startswith(contract.RPC_PREFIX) for name in contract.WORKER_METHOD_NAMES)
+
+
+def test_the_endpoint_half_refuses_another_reply_model_than_the_contracts():
+    from my_pkg.endpoints.client import parse_replies
+
+    reply = {"rank": 0, "plugin": "my_pkg", "version": "1", "pid": 1}
+    assert parse_replies(contract.PING, contract.PingReply, [reply])[0].rank == 0
+    with pytest.raises(TypeError, match="my_pkg_ping replies with"):
+        parse_replies(contract.PING, contract.AuditReply, [reply])
 
 
 def test_the_update_fields_are_the_controllers():
