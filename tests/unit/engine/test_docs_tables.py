@@ -41,6 +41,12 @@ def test_the_docs_tables_are_generated_from_the_contract():
         assert _block(text, name) == expected, f"paste into {DOC.name} between the {name} markers:\n{expected}"
 
 
+def test_the_admin_api_docs_list_every_worker_method_with_its_reply_model():
+    text = (ROOT / "docs" / "admin-api.md").read_text()
+    listed = dict(re.findall(r"^\| `(my_pkg_\w+)\([^)]*\)` \| `(\w+)`", text, re.M))
+    assert listed == {name: model.__name__ for name, model in contract.WORKER_METHOD_REPLIES.items()}
+
+
 def test_the_literals_and_their_tables_name_the_same_codes():
     assert list(get_args(contract.ReasonCode)) == list(contract.REASON_CODES)
     assert list(get_args(contract.DenseRowReason)) == list(contract.DENSE_ROW_REASONS)
