@@ -200,7 +200,7 @@ VARIABLES: dict[str, EnvVar] = {
             "seconds a snapshot of the workers' status may be served before it is fetched again",
             _ENDPOINTS,
         ),
-        EnvVar("MY_PKG_AUDIT_SIZE", 256, integer(1), "entries kept by the audit log ring", _ENDPOINTS),
+        EnvVar("MY_PKG_AUDIT_SIZE", 256, integer(1), "entries kept by each audit record", _EVERY),
         EnvVar(
             "MY_PKG_ALLOW_ANONYMOUS_READS",
             False,

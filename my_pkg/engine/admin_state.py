@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from my_pkg import env
 from my_pkg.contract import MAX_LEASE_S, AuditEntry, AuditInput, Transaction
 
 #: Attribute of the worker object holding its `AdminLedger`.
 WORKER_ATTR = "_my_pkg_admin_ledger"
-DEFAULT_AUDIT_SIZE = 256
+DEFAULT_AUDIT_SIZE: int = env.VARIABLES["MY_PKG_AUDIT_SIZE"].default
 
 
 def now_iso() -> str:

@@ -28,8 +28,8 @@ Run as ``python -m tests.support.trained_fixture --out DIR [--steps N | --minute
 [--save-model DIR2] [--from-model DIR2]``; ``--from-model`` skips steps 3-4 and re-captures from a model saved
 with ``--save-model``. Run it on one thread (it sets ``torch.set_num_threads(1)``), with ``nice`` on a shared
 machine.
-``transformers`` and ``tokenizers`` are imported inside functions: the module ships in the wheel, where
-they may be missing; :func:`load_trained_fixture` needs only torch and safetensors.
+``transformers`` and ``tokenizers`` are imported inside functions, so that :func:`load_trained_fixture` needs only
+torch and safetensors (bench and the demo load the fixture without them).
 """
 
 from __future__ import annotations

@@ -531,8 +531,8 @@ class FlashHeadController:
             self.counters.rows_flashhead_masked += num_flash
         else:
             token = self._timer.start(hidden.device)
-            # What vLLM's sampler gets (the eval measures the same call): candidates, estimated logits
-            # for sampled rows, then every pinned id (EOS, specials, the step's stop ids) exact.
+            # What vLLM's sampler gets (the eval scores the same rows with `step_logits(pinned=...)`): candidates,
+            # estimated logits for sampled rows, then every pinned id (EOS, specials, the step's stop ids) exact.
             flash_logits = self.head.step_logits(
                 flash_hidden, sampled=rows_sampled, postprocess=postprocess, probes=probes
             )
