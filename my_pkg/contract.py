@@ -463,6 +463,17 @@ class FlashHeadStatus(FlashHeadState, RankedReply):
     pid: int | None = None
 
 
+class TopPCounters(WorkerReply):
+    """vLLM's CPU top-k/top-p calls this worker's process served without a sort of every row (`MY_PKG_FAST_TOP_P`),
+    since it started."""
+
+    installed: bool = Field(default=False, description="The sort-free top-p replaces vLLM's function here.")
+    calls: int = Field(default=0, description="Sampler calls with a top-p it served.")
+    rows: int = Field(default=0, description="Their rows.")
+    sorted_rows: int = Field(default=0, description="Rows among them whose nucleus spilled past the window: sorted.")
+    failures: int = Field(default=0, description="Calls where it raised and vLLM's own function served the call.")
+
+
 class WorkerStatus(RankedReply):
     """Reply of `STATUS`: everything about a worker that changes while the engine runs."""
 
@@ -470,6 +481,7 @@ class WorkerStatus(RankedReply):
     settings_version: int = Field(default=0, description="Updates committed on this worker since it started.")
     memory: MemoryInfo = Field(default_factory=MemoryInfo)
     flashhead: FlashHeadState
+    top_p: TopPCounters = Field(default_factory=TopPCounters)
 
     def flashhead_status(self) -> FlashHeadStatus:
         """The FlashHead part, flat, as `FLASHHEAD_STATUS` answers it."""
@@ -783,6 +795,7 @@ __all__ = [
     "RecentRows",
     "ServedWay",
     "StepCostsReport",
+    "TopPCounters",
     "StepDenseReason",
     "CONFIG",
     "CONFIG_SECTIONS",

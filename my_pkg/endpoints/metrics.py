@@ -85,6 +85,21 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
     n_probes = gauge("n_probes", "Clusters probed per token.")
     threshold = gauge("dense_batch_threshold", "Decode steps with more rows than this use the dense head.")
     draft_n_probes = gauge("draft_n_probes", "Clusters the drafter's FlashHead head probes per draft token.")
+    top_p_rows = CounterMetricFamily(
+        "my_pkg_top_p_rows",
+        "Rows with a top-p that vLLM's CPU sampler masked without sorting every row (MY_PKG_FAST_TOP_P).",
+        labels=_WORKER,
+    )
+    top_p_sorted = CounterMetricFamily(
+        "my_pkg_top_p_sorted_rows",
+        "Of those rows, the ones whose nucleus spilled past the window: sorted.",
+        labels=_WORKER,
+    )
+    top_p_failures = CounterMetricFamily(
+        "my_pkg_top_p_failures",
+        "Sampler calls where the sort-free top-p failed and vLLM's own function served the call.",
+        labels=_WORKER,
+    )
     age = GaugeMetricFamily(
         "my_pkg_status_snapshot_age_seconds",
         "Seconds since the workers' status these metrics come from was requested.",
@@ -119,6 +134,10 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
             threshold.add_metric(labels, state.dense_batch_threshold)
         if state.spec is not None and state.spec.draft_n_probes is not None:
             draft_n_probes.add_metric(labels, state.spec.draft_n_probes)
+        if worker.top_p.installed:
+            top_p_rows.add_metric(labels, worker.top_p.rows)
+            top_p_sorted.add_metric(labels, worker.top_p.sorted_rows)
+            top_p_failures.add_metric(labels, worker.top_p.failures)
     if snapshot is not None:
         age.add_metric([], snapshot.age())
     return [
@@ -138,6 +157,9 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         n_probes,
         threshold,
         draft_n_probes,
+        top_p_rows,
+        top_p_sorted,
+        top_p_failures,
         age,
     ]
 

@@ -17,6 +17,7 @@ from my_pkg.contract import (
     MemoryInfo,
     PingReply,
     SettingsValues,
+    TopPCounters,
     WorkerConfig,
     WorkerIdentity,
 )
@@ -58,9 +59,10 @@ class HealthResponse(BaseModel):
 
 # -------------------------------------------------------------------- workers
 class WorkerInfo(WorkerIdentity):
-    """A worker's identity (fetched once) with its memory (from the status snapshot)."""
+    """A worker's identity (fetched once) with its memory and sort-free top-p counters (from the status snapshot)."""
 
     memory: MemoryInfo = Field(default_factory=MemoryInfo)
+    top_p: TopPCounters = Field(default_factory=TopPCounters)
 
 
 class WorkersResponse(BaseModel):

@@ -19,7 +19,6 @@ from my_pkg.contract import (
     PING,
     WORKER_INFO,
     FlashHeadUpdate,
-    MemoryInfo,
     PingReply,
     WorkerConfig,
     WorkerIdentity,
@@ -127,8 +126,13 @@ async def health(state: State) -> HealthResponse:
 async def workers(state: State) -> WorkersResponse:
     snapshot = await state.status()
     identities = await state.identity_of(WORKER_INFO, WorkerIdentity, snapshot)
-    memory = {(s.dp_rank, s.rank): s.memory for s in snapshot.workers}
-    infos = [WorkerInfo(**i.model_dump(), memory=memory.get((i.dp_rank, i.rank), MemoryInfo())) for i in identities]
+    status = {(s.dp_rank, s.rank): s for s in snapshot.workers}
+    infos = [
+        WorkerInfo(**i.model_dump(), memory=worker.memory, top_p=worker.top_p)
+        if (worker := status.get((i.dp_rank, i.rank))) is not None
+        else WorkerInfo(**i.model_dump())
+        for i in identities
+    ]
     return WorkersResponse(num_workers=len(infos), snapshot_age_s=_age(snapshot.age()), workers=infos)
 
 

@@ -32,6 +32,7 @@ from my_pkg.contract import (
     PingReply,
     PrepareReply,
     SettingsValues,
+    TopPCounters,
     Transaction,
     ValidationReply,
     WorkerConfig,
@@ -41,6 +42,7 @@ from my_pkg.contract import (
 )
 from my_pkg.engine.admin_state import AdminLedger, ledger_of
 from my_pkg.engine.jsonable import plain, redacted_section
+from my_pkg.engine.patches import top_p_sampler
 from my_pkg.engine.vllm_uses import attributes
 
 #: What these methods read on the vLLM worker they are attached to, and on its runner and configs
@@ -191,7 +193,8 @@ def _flashhead_state(worker: Any) -> FlashHeadState:
 
 
 def my_pkg_status(self: Any) -> dict[str, Any]:
-    """Everything about this worker that changes while it runs: memory, FlashHead state and counters."""
+    """Everything about this worker that changes while it runs: memory, FlashHead state and counters, the sort-free
+    top-p's counters."""
     return _reply(
         WorkerStatus(
             rank=_rank(self),
@@ -199,6 +202,7 @@ def my_pkg_status(self: Any) -> dict[str, Any]:
             memory=_memory(self),
             settings_version=_ledger(self).version,
             flashhead=_flashhead_state(self),
+            top_p=TopPCounters.model_validate(top_p_sampler.counters()),
         )
     )
 

@@ -14,8 +14,10 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e_support import (
@@ -37,6 +39,7 @@ from tests.support.tiny_model import build_tiny_llama, build_tiny_lora
 
 
 def _server(model: Path, logs: Path, name: str, env: dict[str, str | None], args: list[str] = ()) -> VllmServer:
+    """A server of `model` (not started) with the environment every e2e server shares, then `env` over it."""
     base_env: dict[str, str | None] = {
         "MY_PKG_ADMIN_TOKEN": None,
         "VLLM_API_KEY": None,
@@ -94,141 +97,8 @@ def logs_dir(e2e_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def flashhead_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """Both halves allowlisted, `--api-key` and a read token (read role), an admin token; FlashHead model in float32."""
-    with _server(
-        flashhead_model,
-        logs_dir,
-        "flashhead",
-        {
-            "VLLM_PLUGINS": BOTH_HALVES,
-            "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
-            "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN,
-            "MY_PKG_READ_TOKEN": READ_TOKEN,
-        },
-        ["--api-key", API_KEY],
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def plain_vllm_server(base_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """The same weights, standard architecture, nothing allowlisted: vLLM as shipped."""
-    with _server(base_model, logs_dir, "plain", {"VLLM_PLUGINS": ""}) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def endpoint_only_server(base_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """Endpoint half allowlisted, engine half not."""
-    with _server(base_model, logs_dir, "endpoint-only", {"VLLM_PLUGINS": "my_pkg_admin"}) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def tp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """Tensor parallel 2 on CPU (two worker processes), both halves, token via MY_PKG_ADMIN_TOKEN."""
-    with _server(
-        flashhead_model,
-        logs_dir,
-        "tp2",
-        {
-            "VLLM_PLUGINS": BOTH_HALVES,
-            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-            "MY_PKG_ADMIN_TOKEN": "tp2-token",
-            "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
-        },
-        ["--tensor-parallel-size", "2"],
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
 def lora_adapter(base_model: Path, e2e_dir: Path) -> Path:
     return build_tiny_lora(e2e_dir / "tiny-lora", base_model)
-
-
-def _lora_server(model: Path, adapter: Path, logs: Path, name: str) -> VllmServer:
-    """`--enable-lora` with the adapter served as LORA_NAME, both halves loaded."""
-    return _server(
-        model,
-        logs,
-        name,
-        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
-        ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={adapter}"],
-    )
-
-
-@pytest.fixture(scope="module")
-def lora_plain_server(base_model: Path, lora_adapter: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    with _lora_server(base_model, lora_adapter, logs_dir, "lora-plain") as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def lora_flashhead_server(flashhead_model: Path, lora_adapter: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """The FlashHead model: same weights as the plain one, plus FlashHead assets."""
-    with _lora_server(flashhead_model, lora_adapter, logs_dir, "lora-flashhead") as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def ngram_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """The FlashHead model with n-gram speculative decoding (`NGRAM_SPEC`), both halves."""
-    with _server(
-        flashhead_model,
-        logs_dir,
-        "ngram",
-        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
-        ["--speculative-config", json.dumps(NGRAM_SPEC)],
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def flashhead_drafter_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """The FlashHead model drafting for itself (`draft_model_spec`): the drafter's head is FlashHead too."""
-    with _server(
-        flashhead_model,
-        logs_dir,
-        "draft-flashhead",
-        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
-        ["--speculative-config", json.dumps(draft_model_spec(flashhead_model))],
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def features_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """FlashHead with prefix caching and a small chunked-prefill budget; killed by its last test."""
-    with _server(
-        flashhead_model,
-        logs_dir,
-        "features",
-        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT},
-        [
-            "--enable-prefix-caching",
-            "--enable-chunked-prefill",
-            "--max-num-batched-tokens",
-            "32",
-            "--max-num-seqs",
-            "8",
-        ],
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def pooling_server(base_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """The model served as an embedding model, with both halves loaded."""
-    with _server(
-        base_model,
-        logs_dir,
-        "pooling",
-        {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
-        ["--runner", "pooling", "--convert", "embed"],
-    ) as server:
-        yield server
 
 
 OTHER_PLUGIN = '''"""A general plugin that also replaces vLLM's LogitsProcessor, loaded after my_pkg."""
@@ -260,27 +130,155 @@ def other_plugin_path(e2e_dir: Path) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def other_plugin_server(flashhead_model: Path, other_plugin_path: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """The FlashHead model with both halves and another plugin that owns LogitsProcessor."""
-    pythonpath = os.pathsep.join(filter(None, [str(other_plugin_path), os.environ.get("PYTHONPATH")]))
-    with _server(
-        flashhead_model,
-        logs_dir,
+# ---- the servers: one table, one factory ------------------------------------------------------------------------
+
+Derived = Callable[[pytest.FixtureRequest], Any]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server configuration: the model fixture it serves, its log name, environment over `_server`'s and
+    arguments. `env` and `args` may be functions of the fixture request (for paths other fixtures build).
+    Session scope for servers several modules use, module scope for the others (memory)."""
+
+    doc: str
+    model: str
+    log_name: str
+    env: dict[str, str | None] | Derived
+    args: tuple[str, ...] | Derived = ()
+    scope: str = "module"
+
+
+def _lora_args(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    adapter = request.getfixturevalue("lora_adapter")
+    return ("--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={adapter}")
+
+
+def _drafter_args(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    return ("--speculative-config", json.dumps(draft_model_spec(request.getfixturevalue("flashhead_model"))))
+
+
+def _other_plugin_env(request: pytest.FixtureRequest) -> dict[str, str | None]:
+    path = request.getfixturevalue("other_plugin_path")
+    pythonpath = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
+    return {"VLLM_PLUGINS": f"other_logits,{BOTH_HALVES}", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONPATH": pythonpath}
+
+
+_ADMIN = {"VLLM_PLUGINS": BOTH_HALVES, "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN}
+_ADMIN_TIMED = {**_ADMIN, "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT}
+
+SERVERS: dict[str, ServerSpec] = {
+    "flashhead_server": ServerSpec(
+        "Both halves allowlisted, `--api-key` and a read token (read role), an admin token; FlashHead model in "
+        "float32.",
+        "flashhead_model",
+        "flashhead",
+        {**_ADMIN_TIMED, "MY_PKG_READ_TOKEN": READ_TOKEN},
+        ("--api-key", API_KEY),
+        scope="session",
+    ),
+    "plain_vllm_server": ServerSpec(
+        "The same weights, standard architecture, nothing allowlisted: vLLM as shipped.",
+        "base_model",
+        "plain",
+        {"VLLM_PLUGINS": ""},
+        scope="session",
+    ),
+    "endpoint_only_server": ServerSpec(
+        "Endpoint half allowlisted, engine half not.",
+        "base_model",
+        "endpoint-only",
+        {"VLLM_PLUGINS": "my_pkg_admin"},
+        scope="session",
+    ),
+    "tp2_server": ServerSpec(
+        "Tensor parallel 2 on CPU (two worker processes), both halves, token via MY_PKG_ADMIN_TOKEN.",
+        "flashhead_model",
+        "tp2",
+        {
+            "VLLM_PLUGINS": BOTH_HALVES,
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+            "MY_PKG_ADMIN_TOKEN": "tp2-token",
+            "MY_PKG_RPC_TIMEOUT": RPC_TIMEOUT,
+        },
+        ("--tensor-parallel-size", "2"),
+        scope="session",
+    ),
+    "lora_plain_server": ServerSpec(
+        "`--enable-lora` with the adapter served as LORA_NAME, both halves loaded; the base model.",
+        "base_model",
+        "lora-plain",
+        _ADMIN,
+        _lora_args,
+    ),
+    "lora_flashhead_server": ServerSpec(
+        "The same with the FlashHead model: same weights as the plain one, plus FlashHead assets.",
+        "flashhead_model",
+        "lora-flashhead",
+        _ADMIN,
+        _lora_args,
+    ),
+    "ngram_server": ServerSpec(
+        "The FlashHead model with n-gram speculative decoding (`NGRAM_SPEC`), both halves.",
+        "flashhead_model",
+        "ngram",
+        _ADMIN_TIMED,
+        ("--speculative-config", json.dumps(NGRAM_SPEC)),
+    ),
+    "flashhead_drafter_server": ServerSpec(
+        "The FlashHead model drafting for itself (`draft_model_spec`): the drafter's head is FlashHead too.",
+        "flashhead_model",
+        "draft-flashhead",
+        _ADMIN_TIMED,
+        _drafter_args,
+    ),
+    "features_server": ServerSpec(
+        "FlashHead with prefix caching and a small chunked-prefill budget; killed by its last test.",
+        "flashhead_model",
+        "features",
+        _ADMIN_TIMED,
+        (
+            "--enable-prefix-caching",
+            "--enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            "32",
+            "--max-num-seqs",
+            "8",
+        ),
+    ),
+    "pooling_server": ServerSpec(
+        "The model served as an embedding model, with both halves loaded.",
+        "base_model",
+        "pooling",
+        _ADMIN,
+        ("--runner", "pooling", "--convert", "embed"),
+    ),
+    "other_plugin_server": ServerSpec(
+        "The FlashHead model with both halves and another plugin that owns LogitsProcessor.",
+        "flashhead_model",
         "other-plugin",
-        {"VLLM_PLUGINS": f"other_logits,{BOTH_HALVES}", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONPATH": pythonpath},
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def dp2_server(flashhead_model: Path, logs_dir: Path) -> Iterator[VllmServer]:
-    """Data parallel 2 on CPU: two engine cores (one worker each) behind one API server."""
-    with _server(
-        flashhead_model,
-        logs_dir,
+        _other_plugin_env,
+    ),
+    "dp2_server": ServerSpec(
+        "Data parallel 2 on CPU: two engine cores (one worker each) behind one API server.",
+        "flashhead_model",
         "dp2",
         {"VLLM_PLUGINS": BOTH_HALVES, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
-        ["--data-parallel-size", "2"],
-    ) as server:
-        yield server
+        ("--data-parallel-size", "2"),
+    ),
+}
+
+
+def _server_fixture(name: str, spec: ServerSpec) -> Callable[..., Iterator[VllmServer]]:
+    def serve(request: pytest.FixtureRequest, logs_dir: Path) -> Iterator[VllmServer]:
+        env = spec.env(request) if callable(spec.env) else spec.env
+        args = spec.args(request) if callable(spec.args) else spec.args
+        with _server(request.getfixturevalue(spec.model), logs_dir, spec.log_name, env, list(args)) as server:
+            yield server
+
+    serve.__doc__ = spec.doc
+    return pytest.fixture(scope=spec.scope, name=name)(serve)
+
+
+for _name, _spec in SERVERS.items():
+    globals()[_name] = _server_fixture(_name, _spec)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -55,9 +56,11 @@ _counts = {"calls": 0, "rows": 0, "sorted_rows": 0, "failures": 0}
 _warned = False
 
 
-def counters() -> dict[str, int]:
-    """This process's counts since start-up (a copy)."""
-    return dict(_counts)
+def counters() -> dict[str, int | bool]:
+    """This process's counts since start-up (a copy), and whether the wrapper is in place (`installed`)."""
+    module = sys.modules.get(TARGET)  # not imported here: the wrapper can only be in place if vLLM imported it
+    function = getattr(module, "apply_top_k_top_p_pytorch", None)
+    return {"installed": getattr(function, WRAPPED, False) is True, **_counts}
 
 
 def _fast(logits: Any, k: Any, p: Any, sort_fallback: Callable[[Any, Any, Any], Any]) -> tuple[Any, int]:

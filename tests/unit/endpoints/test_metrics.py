@@ -69,6 +69,7 @@ async def test_metrics_route(app, client_for):
             f"my_pkg_flashhead_{name}": "gauge"
             for name in ("available", "enabled", "active", "n_probes", "dense_batch_threshold", "draft_n_probes")
         },
+        **{f"my_pkg_top_p_{name}": "counter" for name in ("rows", "sorted_rows", "failures")},
         "my_pkg_status_snapshot_age_seconds": "gauge",
     }
     found = samples(r.text)
@@ -125,6 +126,18 @@ def test_a_flashhead_drafter_has_its_rows_and_probe_count():
     assert found[("my_pkg_flashhead_draft_n_probes", L(rank="0"))] == 12
     without = samples(render(_snapshot()).decode())
     assert not any(name == "my_pkg_flashhead_draft_n_probes" for name, _ in without)
+
+
+def test_the_sort_free_top_p_has_its_rows_where_it_is_in_place():
+    snapshot = _snapshot()
+    counted = contract.TopPCounters(installed=True, calls=3, rows=24, sorted_rows=2, failures=1)
+    worker = snapshot.workers[0].model_copy(update={"top_p": counted})
+    found = samples(render(StatusSnapshot((worker,), time.monotonic())).decode())
+    assert found[("my_pkg_top_p_rows_total", L(rank="0"))] == 24
+    assert found[("my_pkg_top_p_sorted_rows_total", L(rank="0"))] == 2
+    assert found[("my_pkg_top_p_failures_total", L(rank="0"))] == 1
+    without = samples(render(snapshot).decode())  # not in place (off, or a GPU build): no series
+    assert not any(name.startswith("my_pkg_top_p_") for name, _ in without)
 
 
 # ------------------------------------------------------- the process registry (vLLM's /metrics)

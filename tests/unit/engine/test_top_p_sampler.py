@@ -62,10 +62,12 @@ def test_apply_wraps_vllms_function_once_and_the_switch_leaves_it(ops, vllm_func
     monkeypatch.setenv("MY_PKG_FAST_TOP_P", "0")
     top_p_sampler.apply()
     assert ops.apply_top_k_top_p_pytorch is vllm_function
+    assert top_p_sampler.counters()["installed"] is False  # the worker status reports it off
     monkeypatch.setenv("MY_PKG_FAST_TOP_P", "1")
     top_p_sampler.apply()
     wrapped = ops.apply_top_k_top_p_pytorch
     assert getattr(wrapped, top_p_sampler.WRAPPED) and wrapped.__wrapped__ is vllm_function
+    assert top_p_sampler.counters()["installed"] is True
     top_p_sampler.apply()
     assert ops.apply_top_k_top_p_pytorch is wrapped
 
@@ -111,7 +113,7 @@ def test_vllms_cpu_sampler_draws_the_same_tokens_with_the_same_processed_logits(
     assert torch.equal(tokens, vllm_tokens)
     assert torch.equal(processed, vllm_processed)  # same -inf positions, same kept values
     assert (processed[0] == NEG_INF).sum() > 39_000  # the top-p rows really were filtered
-    assert top_p_sampler.counters() == {"calls": 1, "rows": 6, "sorted_rows": 1, "failures": 0}
+    assert top_p_sampler.counters() == {"installed": True, "calls": 1, "rows": 6, "sorted_rows": 1, "failures": 0}
 
 
 def test_the_rejection_samplers_import_reaches_the_patch(patched):
@@ -156,7 +158,7 @@ def test_a_failure_gives_vllms_result_is_counted_and_logged_once(patched, vllm_f
     for _ in range(2):
         out = patched.apply_top_k_top_p(logits.clone(), k, p)
         assert torch.equal(out, vllm_function(logits.clone(), k, p, True))
-    assert top_p_sampler.counters() == {"calls": 0, "rows": 0, "sorted_rows": 0, "failures": 2}
+    assert top_p_sampler.counters() == {"installed": True, "calls": 0, "rows": 0, "sorted_rows": 0, "failures": 2}
     assert sum("window exploded" in r.getMessage() for r in caplog.records) == 1
 
 
