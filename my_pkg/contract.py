@@ -320,8 +320,16 @@ class FlashHeadCounters(WorkerReply):
     )
     fallbacks: int = 0
     head_seconds: float = 0.0
-    fidelity_rows: int = 0
-    fidelity_agreed: int = 0
+    fidelity_rows: int = Field(
+        default=0, description="FlashHead rows also given the dense logits (one in `fidelity_every`): the live check."
+    )
+    fidelity_agreed: int = Field(default=0, description="Of `fidelity_rows`: rows whose best token is a dense argmax.")
+    fidelity_sampled_rows: int = Field(default=0, description="Of `fidelity_rows`: rows that sample.")
+    fidelity_tv_sum: float = Field(
+        default=0.0,
+        description="Over `fidelity_sampled_rows`: the sum of each row's total variation distance between FlashHead's "
+        "law and the dense head's, at temperature 1 (divide by `fidelity_sampled_rows` for the mean).",
+    )
     rows_flashhead_verify: int = Field(
         default=0, description="Of `rows_flashhead`: speculative-decoding verify rows (bonus rows not included)."
     )

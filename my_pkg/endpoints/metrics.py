@@ -68,6 +68,12 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
     seconds = counter("head_seconds", "Seconds spent in the LM head.")
     fidelity_rows = counter("fidelity_rows", "FlashHead rows also checked against the dense head (live fidelity).")
     fidelity_agreed = counter("fidelity_agreed", "Checked rows whose FlashHead best token is a dense argmax.")
+    fidelity_sampled = counter("fidelity_sampled_rows", "Checked rows that sample (of fidelity_rows).")
+    fidelity_tv = counter(
+        "fidelity_tv",
+        "Sum over the checked sampled rows of the total variation distance between FlashHead's law and the dense "
+        "head's at temperature 1 (divide by fidelity_sampled_rows for the mean).",
+    )
     rows_verify = counter("rows_verify", "Speculative-decoding verify rows served by FlashHead (of path=flashhead).")
     rows_masked = counter(
         "rows_masked", "Rows given FlashHead's answer made from the dense product (of path=flashhead)."
@@ -121,6 +127,8 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         seconds.add_metric(labels, counters.head_seconds)
         fidelity_rows.add_metric(labels, counters.fidelity_rows)
         fidelity_agreed.add_metric(labels, counters.fidelity_agreed)
+        fidelity_sampled.add_metric(labels, counters.fidelity_sampled_rows)
+        fidelity_tv.add_metric(labels, counters.fidelity_tv_sum)
         rows_verify.add_metric(labels, counters.rows_flashhead_verify)
         rows_masked.add_metric(labels, counters.rows_flashhead_masked)
         rows_draft.add_metric(labels, counters.rows_flashhead_draft)
@@ -147,6 +155,8 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         seconds,
         fidelity_rows,
         fidelity_agreed,
+        fidelity_sampled,
+        fidelity_tv,
         rows_verify,
         rows_masked,
         rows_draft,

@@ -525,7 +525,12 @@ class FlashHeadController:
             )
             if self.vocab_range is None:  # the live fidelity check against the dense logits already at hand
                 self._fidelity.check(
-                    self.settings.fidelity_every, flash_hidden, masked, None, lambda rows: part[: rows.shape[0]]
+                    self.settings.fidelity_every,
+                    flash_hidden,
+                    masked,
+                    None,
+                    lambda rows: part[: rows.shape[0]],
+                    sampled,
                 )
             logits = masked if flash_index is None else logits.index_copy_(0, flash_index, masked.to(logits.dtype))
             self.counters.rows_flashhead_masked += num_flash
@@ -544,7 +549,7 @@ class FlashHeadController:
                 logits.index_copy_(0, flash_index, flash_logits)
             self._timer.stop(token)
             if self.vocab_range is None:  # a shard's best token says nothing of the row's
-                self._fidelity.check(self.settings.fidelity_every, flash_hidden, logits, flash_index, dense)
+                self._fidelity.check(self.settings.fidelity_every, flash_hidden, logits, flash_index, dense, sampled)
             if dense_rows.size:
                 index = index_tensor(dense_rows, hidden.device)
                 logits[index] = dense(hidden.index_select(0, index)).to(logits.dtype)

@@ -12,9 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from my_pkg.contract import FlashHeadCounters, RecentRows
+from my_pkg.flashhead.staging import index_tensor
 
 __all__ = ["Counters", "FidelityCheck", "HeadTimer", "RecentSteps"]
 
@@ -54,6 +56,8 @@ class Counters:
     head_seconds: float = 0.0
     fidelity_rows: int = 0
     fidelity_agreed: int = 0
+    fidelity_sampled_rows: int = 0  # of fidelity_rows: sampled rows, whose law's distance is in fidelity_tv_sum
+    fidelity_tv_sum: float = 0.0
     rows_flashhead_verify: int = 0  # of rows_flashhead: speculative decoding's verify rows
     rows_flashhead_masked: int = 0  # of rows_flashhead: FlashHead's answer made from the dense product
     stage1_exchanges: int = 0  # under tensor parallelism: armed steps whose best clusters this rank exchanged
@@ -69,6 +73,8 @@ class Counters:
             head_seconds=round(self.head_seconds, 6),
             fidelity_rows=self.fidelity_rows,
             fidelity_agreed=self.fidelity_agreed,
+            fidelity_sampled_rows=self.fidelity_sampled_rows,
+            fidelity_tv_sum=round(self.fidelity_tv_sum, 6),
             rows_flashhead_verify=self.rows_flashhead_verify,
             rows_flashhead_masked=self.rows_flashhead_masked,
             stage1_exchanges=self.stage1_exchanges,
@@ -116,13 +122,17 @@ class HeadTimer:
 
 class FidelityCheck:
     """Live fidelity telemetry: one FlashHead row in `every` also gets the dense logits, and counts as
-    agreed when FlashHead's best token is a dense argmax (ties agree)."""
+    agreed when FlashHead's best token is a dense argmax (ties agree). A checked row that samples also adds the
+    total variation distance between its law and the dense one, both at temperature 1 over the whole vocabulary
+    (what the row's temperature, top-k and top-p then shape alike)."""
 
     def __init__(self, counters: Counters) -> None:
         self._counters = counters
         self._credit = 0
         self._agreed: torch.Tensor | None = None  # on the device: no host sync per check
+        self._tv: torch.Tensor | None = None  # the sampled rows' total variation, summed on the device
         self._rows_pending = 0  # rows checked into `_agreed`, not yet in the counters
+        self._sampled_pending = 0  # of those, sampled rows (their distances in `_tv`)
         self._ready: Any = None  # CUDA event recorded after the last check
 
     def check(
@@ -132,8 +142,10 @@ class FidelityCheck:
         logits: torch.Tensor,
         flash_index: torch.Tensor | None,
         dense: Callable[[torch.Tensor], torch.Tensor],
+        sampled: np.ndarray | None = None,
     ) -> None:
-        """Check the step's first rows that `every` allows (`every <= 0`: off)."""
+        """Check the step's first rows that `every` allows (`every <= 0`: off); `sampled`: which of the FlashHead
+        rows sample (host booleans, one per row of `flash_hidden`)."""
         if every <= 0:
             return
         self._credit += int(flash_hidden.shape[0])
@@ -147,6 +159,12 @@ class FidelityCheck:
         agreed = (picked >= reference.max(dim=1).values).sum()
         self._agreed = agreed if self._agreed is None else self._agreed + agreed
         self._rows_pending += checks
+        sampling = np.flatnonzero(sampled[:checks]) if sampled is not None else np.empty(0, dtype=np.int64)
+        if sampling.size:
+            rows = index_tensor(sampling, reference.device)
+            tv = total_variation(served.index_select(0, rows).float(), reference.index_select(0, rows)).sum()
+            self._tv = tv if self._tv is None else self._tv + tv
+            self._sampled_pending += int(sampling.size)
         if agreed.is_cuda:  # `collect` reads the sum once this event says the device got there
             self._ready = torch.cuda.Event()
             self._ready.record()
@@ -157,4 +175,13 @@ class FidelityCheck:
             return
         self._counters.fidelity_agreed += int(self._agreed)
         self._counters.fidelity_rows += self._rows_pending
+        if self._tv is not None:
+            self._counters.fidelity_tv_sum += float(self._tv)
+            self._counters.fidelity_sampled_rows += self._sampled_pending
         self._agreed, self._ready, self._rows_pending = None, None, 0
+        self._tv, self._sampled_pending = None, 0
+
+
+def total_variation(logits: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """`[B]` total variation distance between the laws of two `[B, V]` logits rows at temperature 1 (-inf: mass 0)."""
+    return 0.5 * (torch.softmax(logits, dim=-1) - torch.softmax(reference, dim=-1)).abs().sum(dim=-1)

@@ -59,6 +59,8 @@ async def test_metrics_route(app, client_for):
                 "head_seconds",
                 "fidelity_rows",
                 "fidelity_agreed",
+                "fidelity_sampled_rows",
+                "fidelity_tv",
                 "rows_verify",
                 "rows_masked",
                 "rows_draft",

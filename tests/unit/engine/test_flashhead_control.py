@@ -337,6 +337,26 @@ def test_live_fidelity_telemetry_checks_one_row_in_n_against_the_dense_head(weig
     assert after.fidelity_rows == 9 and after.fidelity_agreed - counters.fidelity_agreed == 3
 
 
+def test_live_fidelity_sums_each_checked_sampled_rows_distance_from_the_dense_law(weight, monkeypatch):
+    from my_pkg.engine.flashhead.telemetry import total_variation
+
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_FIDELITY_EVERY", "1")
+    ctl = _pinned_controller(weight, [], n_probes=1)
+    torch.manual_seed(3)
+    hidden, sampled = torch.randn(4, HIDDEN) * 3, [True, False, True, True]
+    logits = ctl.compute_logits(hidden, _rows([0, 0, 0, 0], sampled), _dense(weight), lambda x: x)
+    counters = ctl.status().counters
+    assert counters.fidelity_rows == 4 and counters.fidelity_sampled_rows == 3  # greedy rows have no law to compare
+    expected = total_variation(logits[[0, 2, 3]].float(), _dense(weight)(hidden)[[0, 2, 3]].float()).sum()
+    assert 0 < counters.fidelity_tv_sum == pytest.approx(float(expected), abs=1e-5)
+    assert counters.fidelity_tv_sum <= 3  # a distance is at most 1 per row
+
+    same = torch.zeros(2, 10)  # equal laws are at distance 0; disjoint supports at 1
+    assert total_variation(same, same).tolist() == [0.0, 0.0]
+    apart = torch.tensor([[0.0, float("-inf")], [float("-inf"), 0.0]])
+    assert total_variation(apart, apart.flip(0)).tolist() == [1.0, 1.0]
+
+
 def test_fidelity_telemetry_off(weight, monkeypatch):
     monkeypatch.setenv("MY_PKG_FLASHHEAD_FIDELITY_EVERY", "0")
     ctl = _pinned_controller(weight, [])
