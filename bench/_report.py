@@ -9,6 +9,7 @@ import argparse
 import os
 import platform
 import re
+import socket
 import statistics
 import sys
 import time
@@ -208,3 +209,10 @@ def fitted_tail_factors(weight, vocab_size: int, *, states: int = 512, seed: int
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(states, weight.shape[1], generator=generator).to(weight.device)
     return fit_tail_factors(weight, vocab_size, default_tail_rank(weight.shape[1]), hidden, seed=seed)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a torch.distributed rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -33,6 +33,7 @@ from bench._report import (
     add_head_shape_options,
     command_line,
     fitted_tail_factors,
+    free_port,
     int_list,
     machine_description,
     paired_rounds,
@@ -40,7 +41,6 @@ from bench._report import (
 )
 from bench.head import sampled_mask
 from bench.served_step import KINDS, _plan_taken
-from bench.tp_head import _free_port
 from my_pkg.engine import setup as engine_setup
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[int, dict]:
     """Both ranks' results (rank -> its timing, and how it served each step), from two spawned ranks."""
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_rank, args=(rank, port, args, queue)) for rank in range(WORLD)]
     for proc in procs:
         proc.start()

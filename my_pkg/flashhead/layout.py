@@ -10,8 +10,8 @@ x 64, the cache flushed between calls as a model's layers flush it while serving
 rows on for the centroids, 0.51–0.56 for the table (at two rows the table was 1.02–1.11 of row-major). ``F.linear``
 takes either layout; only the stored one changes, not the values. bfloat16 and the GPU keep them row-major (the
 CPU's bfloat16 kernel was faster row-major), and one bfloat16 row on CPU is multiplied by ``torch.mv``
-(:func:`linear`). ``python -m bench.centroid_layout`` and ``python -m bench.one_row`` measure both on the machine at
-hand.
+(:func:`linear`). ``python -m bench.experiments.centroid_layout`` and ``python -m bench.experiments.one_row`` measure
+both on the machine at hand.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def hidden_major(matrix: torch.Tensor) -> torch.Tensor:
 def prefers_vector_product(matrix: torch.Tensor) -> bool:
     """Whether one row is multiplied by ``matrix`` with ``torch.mv``: a row-major bfloat16 matrix on CPU, where
     the matrix-vector kernel gave ``F.linear``'s values bit for bit at 0.58–0.64 of its time for stage 1 and 0.70–0.87
-    for the estimate (one thread, cache evicted; float16's was slower, float32's no faster; ``python -m bench.one_row
-    --batches 1 --cold-mb 64``)."""
+    for the estimate (one thread, cache evicted; float16's was slower, float32's no faster;
+    ``python -m bench.experiments.one_row --batches 1 --cold-mb 64``)."""
     return matrix.device.type == "cpu" and matrix.dtype == torch.bfloat16 and matrix.is_contiguous()
 
 

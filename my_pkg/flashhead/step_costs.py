@@ -244,7 +244,7 @@ def measure_step_costs(
     The hidden states are random: a row scores a fixed number of clusters and estimated tokens whatever
     its values, and random rows probe unrelated clusters and rank unrelated tokens best, which makes the
     times an upper bound: decode rows of real text share some (half of their ids at 8 rows on the trained
-    fixture, ``python -m bench.union_rows --fixture``), and a batch reads each shared head row once.
+    fixture, ``python -m bench.experiments.union_rows --fixture``), and a batch reads each shared head row once.
     """
     hidden = _hidden(max(batches), hidden_size, dtype)
 

@@ -55,7 +55,7 @@ _SKIP_PADDING_SHARE = 1 / 8
 
 # Smallest batch of a dtype without the sparse op scored over the union of its rows' ids (`_logits_union`): at 2
 # rows greedy steps measured about 1 ms slower over the union, sampled ones 0.05-0.5 ms faster (bf16 at 128,256 x
-# 2,048, `python -m bench.union_rows`); from 3 both faster.  And the hidden columns the probe of `mm`
+# 2,048, `python -m bench.experiments.union_rows`); from 3 both faster.  And the hidden columns the probe of `mm`
 # (`_mm_columns_exact`) compares.
 _UNION_MIN_ROWS = 3
 _UNION_PROBE_COLUMNS = 8

@@ -1,4 +1,4 @@
-"""`bench/union_rows.py` on a tiny head: both ways timed with the same logits, the switch restored whatever
+"""`bench/experiments/union_rows.py` on a tiny head: both ways timed with the same logits, the switch restored whatever
 happens, and the union's share measured on what the rows really score."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from bench import union_rows
+from bench.experiments import union_rows
 from my_pkg.flashhead.kernels import torch_ref
 
 

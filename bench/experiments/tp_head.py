@@ -25,15 +25,14 @@ split ``C / tp + P * cap / tp`` (a cluster's members spread over the shards); un
 Split, the speed-up in rows is ``V / (C + P * cap)`` at every TP: what is left is the fixed cost of
 the key exchange and of the step's small ops, which grows relative to the rank's work as TP grows.
 
-    python -m bench.tp_head --rounds 11                            # wall time, vLLM's TP all-gather
-    python -m bench.tp_head --rounds 11 --gather gloo --clock cpu  # CPU time: steadier on a shared machine
+    python -m bench.experiments.tp_head --rounds 11                            # wall time, vLLM's TP all-gather
+    python -m bench.experiments.tp_head --rounds 11 --gather gloo --clock cpu  # CPU time: steadier on a shared machine
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -45,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from bench._report import add_head_shape_options, command_line, int_list, machine_description, write_section
+from bench._report import add_head_shape_options, command_line, free_port, int_list, machine_description, write_section
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.probes import ShardStage1, merge_probes
@@ -194,12 +193,6 @@ def _rank(rank: int, world: int, port: int, work: str, args: argparse.Namespace,
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ratio(times: dict[str, list[float]], dense: str, flash: str) -> list[float]:
     return [d / f for d, f in zip(times[dense], times[flash], strict=True)]
 
@@ -343,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.save({"centroids": centroids, "assignments": assignments}, Path(work) / "tables.pt")
         context = mp.get_context("spawn")
         queue = context.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [context.Process(target=_rank, args=(r, 2, port, work, args, queue)) for r in range(2)]
         for p in procs:
             p.start()

@@ -1,10 +1,10 @@
-"""`bench/centroid_layout.py` on a tiny head: both layouts timed, for stage 1 and for served steps."""
+"""`bench/experiments/centroid_layout.py` on a tiny head: both layouts timed, for stage 1 and for served steps."""
 
 from __future__ import annotations
 
 import argparse
 
-from bench import centroid_layout
+from bench.experiments import centroid_layout
 
 
 def test_both_layouts_are_timed_for_stage_1_and_each_kind_of_step():

@@ -1,4 +1,4 @@
-"""`bench/shard_members.py` on a tiny head: both ways timed on every shard, and the kernel settings restored."""
+"""`bench/experiments/shard_members.py` on a tiny head: both ways timed on every shard, and the kernel settings restored."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from bench import shard_members
+from bench.experiments import shard_members
 from my_pkg.flashhead.kernels import torch_ref
 
 

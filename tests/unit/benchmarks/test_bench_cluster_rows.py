@@ -1,10 +1,10 @@
-"""`bench/cluster_rows.py` on a tiny head: both heads timed for every measure, their logits checked equal."""
+"""`bench/experiments/cluster_rows.py` on a tiny head: both heads timed for every measure, their logits checked equal."""
 
 from __future__ import annotations
 
 import argparse
 
-from bench import cluster_rows
+from bench.experiments import cluster_rows
 
 
 def test_both_heads_are_timed_for_every_measure_at_every_shape_and_batch():

@@ -15,9 +15,9 @@ order of the layouts, and the table gives the median over the rounds, the ratio 
 (below 1: hidden-major is faster) and the steps' speed-ups over the dense head. Random head, random balanced
 assignment, the builder's default ``n_probes``. Prints only.
 
-    python -m bench.centroid_layout                               # 128,256 x 2,048 and 262,144 x 640
-    python -m bench.centroid_layout --shapes 128256x2048 --batches 1,8 --threads 1
-    python -m bench.centroid_layout --dtype bfloat16                 # bfloat16 keeps them row-major
+    python -m bench.experiments.centroid_layout                               # 128,256 x 2,048 and 262,144 x 640
+    python -m bench.experiments.centroid_layout --shapes 128256x2048 --batches 1,8 --threads 1
+    python -m bench.experiments.centroid_layout --dtype bfloat16                 # bfloat16 keeps them row-major
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`bench/row_split.py` on a tiny head: both ways measured, and the cut restored whatever happens."""
+"""`bench/experiments/row_split.py` on a tiny head: both ways measured, and the cut restored whatever happens."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from bench import row_split
+from bench.experiments import row_split
 from my_pkg.flashhead.kernels import torch_ref
 
 

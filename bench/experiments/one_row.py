@@ -16,8 +16,8 @@ model's layers evict the head's matrices from the cache between two steps (0: wa
 and after alternating; the table gives the median over the rounds and after / before (below 1: faster now).
 Random head, random balanced clusters, the builder's default probes, a fitted sampled-row estimate.
 
-    python -m bench.one_row --threads 1                  # float32 and bfloat16, both shapes
-    python -m bench.one_row --dtypes bfloat16 --batches 1 --threads 1 --no-write
+    python -m bench.experiments.one_row --threads 1                  # float32 and bfloat16, both shapes
+    python -m bench.experiments.one_row --dtypes bfloat16 --batches 1 --threads 1 --no-write
 """
 
 from __future__ import annotations

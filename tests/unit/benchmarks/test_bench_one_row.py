@@ -1,4 +1,4 @@
-"""`bench/one_row.py` on a tiny head: every product and step timed both ways, and the head as served again
+"""`bench/experiments/one_row.py` on a tiny head: every product and step timed both ways, and the head as served again
 afterwards, whatever happens inside the "before" block."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import one_row
 from bench._report import median_ms
+from bench.experiments import one_row
 from my_pkg.flashhead import layout
 
 

@@ -12,8 +12,8 @@ call on the next of 16 hidden states (a decode step's candidates are new rows, n
 table gives the median over the rounds. Both ways give the same logits, bit for bit (checked on each
 shape). Random head, random balanced clusters of 16, the builder's default ``n_probes``. Prints only.
 
-    python -m bench.shard_members --threads 1                      # 128,256 x 2,048 fp32, TP 2/4/8
-    python -m bench.shard_members --threads 1 --tp 2 --batches 1,8,32
+    python -m bench.experiments.shard_members --threads 1                      # 128,256 x 2,048 fp32, TP 2/4/8
+    python -m bench.experiments.shard_members --threads 1 --tp 2 --batches 1,8,32
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ no candidates: the worst case).  Each line prints the union's share of the ``B x
 ``--fixture`` prints that share on the committed trained fixture's held-out states instead (a real LM's
 head: how much decode rows of real text share), for comparison.  Prints only.
 
-    python -m bench.union_rows --batches 2,4,8,16,32 --shared 0,0.5
-    python -m bench.union_rows --fixture
+    python -m bench.experiments.union_rows --batches 2,4,8,16,32 --shared 0,0.5
+    python -m bench.experiments.union_rows --fixture
 """
 
 from __future__ import annotations

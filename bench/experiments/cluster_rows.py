@@ -12,8 +12,8 @@ hidden states (a decode step's rows are new ones); the table gives the medians o
 median of the rounds' ratios. The two heads' logits are checked equal on every shape and batch. Random
 head, random balanced clusters of 16, the builder's default ``n_probes``. Prints only.
 
-    python -m bench.cluster_rows --threads 1                      # 262,144 x 640 and 128,256 x 2,048, fp32
-    python -m bench.cluster_rows --threads 1 --shapes 128256x2048 --batches 1
+    python -m bench.experiments.cluster_rows --threads 1                      # 262,144 x 640 and 128,256 x 2,048, fp32
+    python -m bench.experiments.cluster_rows --threads 1 --shapes 128256x2048 --batches 1
 """
 
 from __future__ import annotations

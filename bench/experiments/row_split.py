@@ -10,8 +10,8 @@ same logits: in each of ``--rounds`` rounds, dense, then cut and whole (their or
 of ``--repeats`` wall-clock calls each; the table gives the median over the rounds and the speed-ups.
 Random head, random balanced assignment, the builder's default ``n_probes``. Prints only.
 
-    python -m bench.row_split                      # 128,256 x 2,048 fp32, batch 1, 2, 4, every core
-    python -m bench.row_split --threads 8 --batches 1
+    python -m bench.experiments.row_split                      # 128,256 x 2,048 fp32, batch 1, 2, 4, every core
+    python -m bench.experiments.row_split --threads 8 --batches 1
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ runner's batch, for two cases of who knows the ids the model pins anyway (EOS, s
 
 Each case runs with every request plain, and with one request that has an extra stop id.
 
-    python -m bench.step_overhead                 # 256 running requests
-    python -m bench.step_overhead --requests 1024 --steps 20000
+    python -m bench.experiments.step_overhead                 # 256 running requests
+    python -m bench.experiments.step_overhead --requests 1024 --steps 20000
 """
 
 from __future__ import annotations
