@@ -1,4 +1,4 @@
-"""`bench/experiments/cluster_rows.py` on a tiny head: both heads timed for every measure, their logits checked equal."""
+"""`bench/experiments/cluster_rows.py` on a tiny head: both heads timed for every measure, logits checked equal."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`bench/experiments/shard_members.py` on a tiny head: both ways timed on every shard, and the kernel settings restored."""
+"""`bench/experiments/shard_members.py` on a tiny head: both ways timed on every shard, kernel settings restored."""
 
 from __future__ import annotations
 
