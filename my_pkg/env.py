@@ -78,6 +78,14 @@ def choice(*values: str) -> Callable[[str], str]:
     return parse
 
 
+def backend_choice(raw: str) -> str:
+    """`auto` or a registered kernel backend (`my_pkg.flashhead.kernels.backend_names`, imported when read: only
+    the engine half reads it)."""
+    from my_pkg.flashhead.kernels import backend_names
+
+    return choice(*backend_names())(raw)
+
+
 def secret(raw: str) -> str:
     return raw.strip()
 
@@ -161,7 +169,13 @@ VARIABLES: dict[str, EnvVar] = {
             _ENGINE,
             default_doc="the head's default",
         ),
-        EnvVar("MY_PKG_FLASHHEAD_BACKEND", "auto", choice("auto", "torch", "triton"), "auto, torch or triton", _ENGINE),
+        EnvVar(
+            "MY_PKG_FLASHHEAD_BACKEND",
+            "auto",
+            backend_choice,
+            "auto, or a registered kernel backend (torch, triton)",
+            _ENGINE,
+        ),
         EnvVar(
             "MY_PKG_FLASHHEAD_CLUSTER_ROWS",
             True,

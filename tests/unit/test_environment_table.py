@@ -56,6 +56,16 @@ def test_values_are_parsed_and_invalid_ones_fall_back(monkeypatch, name, raw, ex
     assert getattr(env, name) == expected
 
 
+def test_a_registered_kernel_backend_is_a_choice_of_the_backend_variable(monkeypatch):
+    from my_pkg.flashhead import kernels
+
+    monkeypatch.setattr(kernels, "_BACKENDS", dict(kernels._BACKENDS))  # the registration is undone afterwards
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_BACKEND", "npu")
+    assert env.MY_PKG_FLASHHEAD_BACKEND == "auto"  # not registered: falls back
+    kernels.register_backend("npu", "my_pkg.flashhead.kernels.torch_ref", auto_devices=("npu",))
+    assert env.MY_PKG_FLASHHEAD_BACKEND == "npu"
+
+
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError):
         env.MY_PKG_NOT_A_VARIABLE  # noqa: B018
