@@ -44,6 +44,7 @@ import torch
 from bench._report import fitted_tail_factors, int_list, shape_list
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.kernels import torch_ref, triton_available
+from my_pkg.flashhead.kernels.tolerances import TOLERANCES, Tolerance
 from my_pkg.flashhead.tail_estimate import TailFactors
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_CUDA = 0, 1, 2
@@ -61,25 +62,6 @@ TIMING_KINDS = ("greedy", "sampled", "mixed")
 PINNED = 3  # EOS and the like, scored on every row
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """``|got - want| <= atol + rtol * |want|``, with ``want`` computed in float32 from the same inputs."""
-
-    atol: float
-    rtol: float
-
-    def bound(self, reference: torch.Tensor) -> torch.Tensor:
-        return self.atol + self.rtol * reference.abs()
-
-
-# Triton accumulates in float32 and converts once to the output dtype: the bound is two units in the
-# last place of the output (fp16: 2**-10, bf16: 2**-7 relative each; the interpreter truncates where a
-# GPU rounds to nearest) plus a float32 summation-order slack. A wrong row or a lost block is off by O(1).
-TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
-    torch.float16: Tolerance(atol=1e-3, rtol=2e-3),
-    torch.bfloat16: Tolerance(atol=1e-2, rtol=1.6e-2),
-}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 

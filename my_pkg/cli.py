@@ -551,17 +551,13 @@ def _eval(args) -> int:
     hidden = hidden[: args.samples].to(device)
     # Serving's settings (config.json, then the environment): the eval measures what a server would do.
     settings = default_settings(config, int(cent.shape[0]))
-    rank = None if settings.sampled_rank is None else min(settings.sampled_rank, weight.shape[1])
     head = FlashHead(
         weight.to(device),
         cent,
         assign,
         vocab_size=v,
-        n_probes=settings.n_probes,
-        sampled_n_probes=settings.sampled_n_probes,
-        sampled_rank=rank,
         tail_factors=load_tail_factors(args.model_dir, config),
-        cluster_rows=settings.cluster_rows,
+        **settings.head_options(int(weight.shape[1])),
     )
     if args.probes is not None:
         probes = sorted({min(p, head.num_clusters) for p in args.probes})

@@ -35,6 +35,18 @@ class FlashHeadSettings:
     cluster_rows: bool | None  # the head's `cluster_rows`: None where it helps (a CPU head), False never
     fidelity_every: int  # check one FlashHead row in this many against the dense head; 0 = off
 
+    def head_options(self, hidden_size: int) -> dict[str, Any]:
+        """The `FlashHead` arguments these settings give a head of `hidden_size`, so that serving, the eval and the
+        benchmarks build the same head: a configured `sampled_rank` at most the hidden size (the head refuses more),
+        and None where the head resolves its own default (`default_sampled_rank`, `default_sampled_n_probes`)."""
+        return {
+            "n_probes": self.n_probes,
+            "backend": self.backend,
+            "cluster_rows": self.cluster_rows,
+            "sampled_n_probes": self.sampled_n_probes,
+            "sampled_rank": None if self.sampled_rank is None else min(self.sampled_rank, hidden_size),
+        }
+
 
 def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashHeadSettings:
     """Settings at start-up: environment overrides config.json, which overrides defaults."""

@@ -238,12 +238,8 @@ class FlashHeadController:
                 self._assignments[start:end].to(device=weight.device),
                 vocab_size=end - start,
                 allow_empty_clusters=vocab_range is not None,
-                n_probes=self.settings.n_probes,
-                backend=self.settings.backend,
-                cluster_rows=self.settings.cluster_rows,
-                sampled_n_probes=self.settings.sampled_n_probes,
-                sampled_rank=self._sampled_rank(weight.shape[1], end - start),
                 tail_factors=self._tail_factors,
+                **self.settings.head_options(int(weight.shape[1])),
             )
             self.vocab_range = vocab_range
             self._pins = PinnedRows(self.pinned_ids, (start, end))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,24 +19,9 @@ import torch
 
 from my_pkg.flashhead import FlashHead
 from my_pkg.flashhead.kernels import backend_names, triton_available
+from my_pkg.flashhead.kernels.tolerances import TOLERANCES, Tolerance
 from tests.support.heads import random_head
 
-
-@dataclass(frozen=True)
-class Tolerance:
-    """``|got - want| <= atol + rtol * |want|``, ``want`` in float64 from the same (rounded) inputs."""
-
-    atol: float
-    rtol: float
-
-
-# Float32 accumulation rounded once to the output dtype: two units in the last place of the output
-# (fp16 2**-10, bf16 2**-7 relative; the interpreter truncates where a GPU rounds) plus summation slack.
-TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
-    torch.float16: Tolerance(atol=1e-3, rtol=2e-3),
-    torch.bfloat16: Tolerance(atol=1e-2, rtol=1.6e-2),
-}
 # (vocab, hidden, padding rows, batch, probes)
 SHAPES = [(333, 37, 5, 3, 4), (517, 129, 0, 1, 3), (256, 128, 0, 2, 16), (100, 1, 3, 4, 2), (1000, 200, 7, 9, 5)]
 BACKEND_CASES = ["torch", "triton"]
