@@ -20,13 +20,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from my_pkg.engine import patches
 from my_pkg.engine.flashhead.rows import DenseReason
 from my_pkg.engine.flashhead.spec import spec_state
 from my_pkg.engine.patches import logits_processor, model_runner, model_runner_v2, runner_hooks
 from my_pkg.flashhead.assets import save_clustering_cache
+from tests.support.vllm_fakes import UnquantizedEmbeddingMethod
 
 VOCAB, HIDDEN, CAP, SLOTS = 256, 16, 16, 8
 STOP = VOCAB - 3
@@ -84,13 +84,6 @@ class TinyLM(torch.nn.Module):
 
     def compute_logits(self, hidden_states):
         return self.logits_processor(self.lm_head, hidden_states)
-
-
-class UnquantizedEmbeddingMethod:
-    """Stands in for vLLM's class of the same name (matched by name)."""
-
-    def apply(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)
 
 
 def _lm_head():

@@ -7,12 +7,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from my_pkg.engine import setup as engine_setup
 from my_pkg.engine.flashhead import FlashHeadController, StepRows
 from my_pkg.engine.flashhead.rows import DenseReason, request_dense_reason, request_stop_ids
 from my_pkg.engine.patches import logits_processor, model_runner
+from tests.support.vllm_fakes import UnquantizedEmbeddingMethod, default_vllm_config
 
 VOCAB, HIDDEN, CAP = 256, 16, 16
 
@@ -136,18 +136,8 @@ def test_step_rows_with_custom_logits_processors_is_all_dense():
 
 @pytest.fixture(autouse=True)
 def vllm_config():
-    """A default vLLM config in context, as during model construction (no model: no FlashHead)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-
-    with set_current_vllm_config(VllmConfig()):
+    with default_vllm_config():
         yield
-
-
-class UnquantizedEmbeddingMethod:
-    """Stands in for vLLM's class of the same name (matched by name)."""
-
-    def apply(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)
 
 
 @pytest.fixture

@@ -17,29 +17,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from my_pkg.engine.flashhead import FlashHeadController, StepRows
 from my_pkg.engine.patches import logits_processor
 from my_pkg.flashhead.step_costs import StepCosts
+from tests.support.vllm_fakes import UnquantizedEmbeddingMethod, default_vllm_config
 
 VOCAB, HIDDEN, CAP = 200, 16, 8
 CLUSTERS = VOCAB // CAP
 SHARD = 104  # vLLM pads each shard: rank 1 holds tokens [104, 200) and 8 padding rows
 
 
-class UnquantizedEmbeddingMethod:
-    """Stands in for vLLM's class of the same name (matched by name)."""
-
-    def apply(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)
-
-
 @pytest.fixture(autouse=True)
 def vllm_config():
-    from vllm.config import VllmConfig, set_current_vllm_config
-
-    with set_current_vllm_config(VllmConfig()):
+    with default_vllm_config():
         yield
 
 
