@@ -115,7 +115,7 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         labels = [str(worker.dp_rank), str(worker.rank)]
         state, counters = worker.flashhead, worker.flashhead.counters
         steps.add_metric(labels, counters.steps)
-        # Flashhead rows carry no `reason` label (not even an empty one), as before this library rendered them.
+        # FlashHead rows carry no `reason` label, not even an empty one.
         rows.add_sample(rows.name + "_total", dict(zip(_WORKER, labels), path="flashhead"), counters.rows_flashhead)
         for reason in sorted(counters.rows_dense):
             rows.add_sample(

@@ -7,7 +7,7 @@ architecture, inside that very `load_model` call, so the call already running is
 looks this function up in its module when it calls it, after the model is built, so the hook installed
 then serves the first load too: vLLM profiles memory and sizes the KV cache with the head and its tables
 allocated. Draft models load through the same function. Under sleep mode, or when the LM head is not one
-module, the first logits call builds the head, as before. Never raises: on failure the same fallback.
+module, the first logits call builds the head. Never raises: on failure the same fallback.
 
 Under tensor parallelism the ranks then agree, with one all-reduce that every rank of a FlashHead model
 reaches (whatever failed before it), whether each can serve FlashHead: when one cannot (its assets

@@ -220,7 +220,7 @@ def apply() -> None:
             batch = self.__dict__.get("input_batch")
             if batch is not None:
                 share_pinned_ids(batch, controller)
-        except Exception as exc:  # noqa: BLE001 - requests then carry every stop id, as before
+        except Exception as exc:  # noqa: BLE001 - requests then carry every stop id
             warn_once("execute_model", exc)
         return run_armed(controller, lambda: runner_step_rows(self), lambda: original_execute(self, *args, **kwargs))
 

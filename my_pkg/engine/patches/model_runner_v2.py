@@ -243,7 +243,7 @@ def apply() -> None:
             controller = None
         try:  # requests joining from the next step on leave the pinned ids out
             share_pinned_ids(self.sampler, controller)
-        except Exception as exc:  # noqa: BLE001 - requests then carry every stop id, as before
+        except Exception as exc:  # noqa: BLE001 - requests then carry every stop id
             warn_once("V2 GPUModelRunner.sample", exc)
         return run_armed(
             controller,

@@ -19,7 +19,7 @@ before the drafter loads):
   sampled row (exact candidates, estimated tail: a probability for every token). The rejection sampler
   divides by the probabilities the drafts were drawn from, whatever they are, so the emitted tokens keep
   the target's law; FlashHead's estimate only changes how often a draft is accepted. A greedy step goes
-  through `_greedy_sample` as before. Installed only where vLLM has this method.
+  through `_greedy_sample` unchanged. Installed only where vLLM has this method.
 
 Either hook that fails leaves vLLM's drafter as it is (dense), logged once; a failure to link the drafter
 is also reported as the draft part's `draft_hook_failed`, with the error. Under tensor parallelism the
