@@ -16,6 +16,8 @@ import torch
 from tests.support import tp_ranks
 from tests.support.tp_ranks import CLUSTERS, VOCAB
 
+pytestmark = pytest.mark.slow  # every test here spawns gloo ranks
+
 TIMEOUT_S = 240  # two imports of vLLM on a busy 2-core machine; a deadlock waits forever
 
 

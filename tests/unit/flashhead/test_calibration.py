@@ -296,6 +296,7 @@ def test_trained_lm_stage1_meets_the_targets_on_shifted_text(trained, build, wit
         assert calibrated > weight_only, (source, weight_only)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", ["docstrings", "code", "self"])
 def test_trained_lm_builder_choice_of_n_probes_holds_on_shifted_text(trained, build):
     """The written n_probes (every validation set's estimate shows at most half the misses 0.995 allows, and the

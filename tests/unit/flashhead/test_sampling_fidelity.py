@@ -94,6 +94,7 @@ def test_sampled_rows_meet_the_tv_targets_at_the_default_settings(models, stage1
         assert result["top1_agreement"] >= 0.99 and result["scored_fraction"] <= 0.12, result
 
 
+@pytest.mark.slow
 def test_the_estimated_tail_beats_more_probes_with_minus_inf_at_a_larger_budget(models):
     built, _, fx = models
     hidden = fx.heldout[:1024]
