@@ -4,7 +4,7 @@ The fixture's head is written as a tied checkpoint in a temporary directory and 
 ``my-pkg flashhead build``, weight-only and with ``--calibration-hidden`` on the fixture's
 calibration states.  For each, prints a markdown table of the
 total-variation distance between the dense sampling distribution and the one a sampled row gets,
-in vLLM's semantics (``my_pkg.flashhead.evaluate.sampling_distribution``): mean, 90th percentile
+in vLLM's semantics (``my_pkg.flashhead.fidelity.sampling_distribution``): mean, 90th percentile
 and maximum over the held-out states, with the scored fraction of a sampled row.  Rows:
 
 * clusters drawn in proportion to the softmax of the centroid scores (the design before; its
@@ -55,7 +55,7 @@ from my_pkg.cli import main as cli
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.assets import load_assets, read_config
 from my_pkg.flashhead.clustering import random_balanced_assignment
-from my_pkg.flashhead.evaluate import SAMPLING_SETTINGS, sampling_distribution, serving_fidelity, total_variation
+from my_pkg.flashhead.fidelity import SAMPLING_SETTINGS, sampling_distribution, serving_fidelity, total_variation
 from tests.support.trained_fixture import TrainedFixture, load_trained_fixture
 
 

@@ -511,14 +511,12 @@ def _eval(args) -> int:
         capture_hidden_states,
         dense_agreement,
         evaluate,
-        format_fidelity_table,
         format_table,
         load_hidden_states,
-        logit_postprocess,
-        serving_fidelity,
-        synthetic_hidden_states,
     )
+    from .flashhead.fidelity import format_fidelity_table, logit_postprocess, serving_fidelity
     from .flashhead.settings import default_settings
+    from .flashhead.synthetic import synthetic_hidden_states
 
     if args.plot is not None:
         from .flashhead.plot import require_matplotlib
@@ -615,7 +613,8 @@ DEFAULT_TARGET_AGREEMENT = 0.995
 def _plot(args, head, hidden, probes: list[int], pinned, config: dict) -> None:
     """``eval --plot``: the agreement and sampled-TV curves as a PNG (message on stderr under ``--json``)."""
     from .flashhead.assets import CALIBRATION_KEY
-    from .flashhead.evaluate import fidelity_curves, logit_postprocess, plot_probe_counts
+    from .flashhead.curves import fidelity_curves, plot_probe_counts
+    from .flashhead.fidelity import logit_postprocess
     from .flashhead.plot import plot_fidelity
 
     record = config.get(CALIBRATION_KEY)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .evaluate import FidelityCurves
+from .curves import FidelityCurves
 
 __all__ = ["PlotUnavailable", "require_matplotlib", "plot_fidelity"]
 
@@ -42,7 +42,7 @@ def plot_fidelity(
     target_agreement: float | None = None,
     title: str = "",
 ) -> Path:
-    """Draw ``curves`` (:func:`~my_pkg.flashhead.evaluate.fidelity_curves`) into a PNG at ``path``; returns it.
+    """Draw ``curves`` (:func:`~my_pkg.flashhead.curves.fidelity_curves`) into a PNG at ``path``; returns it.
 
     ``served_n_probes``: the probe count marked on the agreement curve; ``target_agreement``: the promised
     top-1 agreement, drawn as a horizontal line (none when None).

@@ -27,7 +27,7 @@ from my_pkg.flashhead.calibration import (
     scored_fraction,
 )
 from my_pkg.flashhead.clustering import balanced_kmeans, random_balanced_assignment
-from my_pkg.flashhead.evaluate import synthetic_head, synthetic_hidden_states
+from my_pkg.flashhead.synthetic import synthetic_head, synthetic_hidden_states
 
 VOCAB, HIDDEN = 1024, 32
 
@@ -330,7 +330,7 @@ def test_trained_lm_default_build_sampled_rows_on_shifted_text(trained):
     TV <= 0.01 at T=0.7/top_p=0.9 and <= 0.02 at T=1 hold with the tail estimate the build fits to its
     calibration states (the model's own samples); the weight-only estimate of the same rank is worse at T=1
     on both sources, even with its default of twice the exact tokens (docs/flashhead.md)."""
-    from my_pkg.flashhead.evaluate import serving_fidelity
+    from my_pkg.flashhead.fidelity import serving_fidelity
     from my_pkg.flashhead.tail_estimate import default_tail_rank, fit_tail_factors
 
     fx, res, pinned, builds = trained

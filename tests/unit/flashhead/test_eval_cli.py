@@ -113,7 +113,7 @@ def bf16_llama(tmp_path_factory):
 def test_eval_on_a_bf16_checkpoint_uses_a_float32_reference(bf16_llama, tmp_path, capsys):
     from my_pkg.flashhead import FlashHead
     from my_pkg.flashhead.assets import load_assets, load_lm_head, read_config
-    from my_pkg.flashhead.evaluate import synthetic_hidden_states
+    from my_pkg.flashhead.synthetic import synthetic_hidden_states
 
     config = read_config(bf16_llama)
     weight, _ = load_lm_head(bf16_llama, config)
@@ -160,7 +160,7 @@ def test_eval_json_reports_serving_fidelity_at_the_configured_probes(built_llama
         read_config,
         stop_and_special_token_ids,
     )
-    from my_pkg.flashhead.evaluate import serving_fidelity
+    from my_pkg.flashhead.fidelity import serving_fidelity
 
     path, model = built_llama
     hidden = _eos_heavy_hidden(model)

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.evaluate import (
+from my_pkg.flashhead.fidelity import (
     logit_postprocess,
     sampling_distribution,
     serving_fidelity,
-    synthetic_hidden_states,
     total_variation,
 )
+from my_pkg.flashhead.synthetic import synthetic_hidden_states
 from tests.support.heads import random_head
 
 

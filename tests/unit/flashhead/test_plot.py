@@ -11,13 +11,9 @@ from safetensors.torch import save_file
 from my_pkg.cli import main
 from my_pkg.flashhead import FlashHead
 from my_pkg.flashhead.clustering import balanced_kmeans
-from my_pkg.flashhead.evaluate import (
-    fidelity_curves,
-    plot_probe_counts,
-    serving_fidelity,
-    synthetic_head,
-    synthetic_hidden_states,
-)
+from my_pkg.flashhead.curves import fidelity_curves, plot_probe_counts
+from my_pkg.flashhead.fidelity import serving_fidelity
+from my_pkg.flashhead.synthetic import synthetic_head, synthetic_hidden_states
 
 V, H = 512, 32
 

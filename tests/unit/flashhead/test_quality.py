@@ -1,6 +1,7 @@
 from my_pkg.flashhead import FlashHead, balanced_kmeans
 from my_pkg.flashhead.clustering import random_balanced_assignment, score_centroids
-from my_pkg.flashhead.evaluate import evaluate, synthetic_head, synthetic_hidden_states
+from my_pkg.flashhead.evaluate import evaluate
+from my_pkg.flashhead.synthetic import synthetic_head, synthetic_hidden_states
 
 
 def test_clustered_head_beats_random_clustering():

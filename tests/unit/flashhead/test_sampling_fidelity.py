@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from my_pkg.cli import main
 from my_pkg.flashhead import FlashHead
 from my_pkg.flashhead.assets import load_assets, load_lm_head, read_config, stop_and_special_token_ids
-from my_pkg.flashhead.evaluate import serving_fidelity
+from my_pkg.flashhead.fidelity import serving_fidelity
 
 from .conftest import write_checkpoint
 

@@ -18,7 +18,7 @@ from my_pkg.flashhead.calibration import (
     probes_needed,
 )
 from my_pkg.flashhead.clustering import balanced_kmeans
-from my_pkg.flashhead.evaluate import synthetic_head, synthetic_hidden_states
+from my_pkg.flashhead.synthetic import synthetic_head, synthetic_hidden_states
 
 C, CAP, V = 64, 16, 1024
 
