@@ -9,6 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from my_pkg.flashhead import FlashHead
+from my_pkg.flashhead.clustering import balanced_kmeans
+from my_pkg.flashhead.synthetic import synthetic_head, synthetic_hidden_states
+
 
 def write_checkpoint(path: Path, tensors: dict, config: dict, shards: int = 1) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (or ``shards`` files plus an index)."""
@@ -65,3 +69,12 @@ def make_model(tmp_path):
         return write_checkpoint(tmp_path / name, tensors, config, shards), head
 
     return _make
+
+
+@pytest.fixture(scope="module")
+def head_and_states():
+    """A head of 512 x 32 (32 clusters of 16, n_probes 4, sampled_rank 8) and 300 synthetic states."""
+    weight = synthetic_head(512, 32, seed=1)
+    res = balanced_kmeans(weight, 16, iterations=4, progress=False)
+    head = FlashHead(weight, res.centroids, res.assignments, n_probes=4, sampled_rank=8)
+    return head, synthetic_hidden_states(weight, 300, seed=2)

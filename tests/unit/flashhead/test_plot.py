@@ -1,4 +1,4 @@
-"""``my-pkg flashhead eval --plot``: the fidelity curves and the PNG (matplotlib optional)."""
+"""``plot_fidelity`` and ``my-pkg flashhead eval --plot``: the PNG (matplotlib optional)."""
 
 import builtins
 import json
@@ -9,10 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from my_pkg.cli import main
-from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.clustering import balanced_kmeans
-from my_pkg.flashhead.curves import fidelity_curves, plot_probe_counts
-from my_pkg.flashhead.fidelity import serving_fidelity
+from my_pkg.flashhead.curves import fidelity_curves
 from my_pkg.flashhead.synthetic import synthetic_head, synthetic_hidden_states
 
 V, H = 512, 32
@@ -23,40 +20,6 @@ def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     assert data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
-
-
-@pytest.fixture(scope="module")
-def head_and_states():
-    weight = synthetic_head(V, H, seed=1)
-    res = balanced_kmeans(weight, 16, iterations=4, progress=False)
-    head = FlashHead(weight, res.centroids, res.assignments, n_probes=4, sampled_rank=8)
-    return head, synthetic_hidden_states(weight, 300, seed=2)
-
-
-def test_plot_probe_counts_cover_the_served_count_and_stay_within_the_clusters():
-    assert plot_probe_counts(32, 5) == [1, 2, 4, 5, 8, 16, 32]
-    assert plot_probe_counts(4000, 100, [3]) == [1, 2, 3, 4, 8, 16, 32, 64, 100, 128, 256, 512]
-    assert max(plot_probe_counts(6, 6)) == 6
-
-
-def test_fidelity_curves_sweep_probes_and_ranks_and_restore_the_head(head_and_states):
-    head, hidden = head_and_states
-    curves = fidelity_curves(head, hidden, [1, 4, head.num_clusters])
-    assert [r.n_probes for r in curves.greedy] == [1, 4, head.num_clusters]
-    agreement = [r.top1_agreement for r in curves.greedy]
-    assert agreement == sorted(agreement) and agreement[-1] == 1.0  # every cluster probed: exact
-    assert all(not r.sampling for r in curves.greedy)
-    # The sweep's greedy figures are serving_fidelity's (one dense pass per batch instead of one per count).
-    reference = serving_fidelity(head, hidden, [1, 4, head.num_clusters])
-    for swept, served in zip(curves.greedy, reference):
-        assert swept.n_probes == served.n_probes and swept.top1_agreement == served.top1_agreement
-        assert swept.top5_agreement == served.top5_agreement and swept.scored_fraction == served.scored_fraction
-    assert [r.sampled_rank for r in curves.sampled] == [2, 4, 6, 8] and curves.served_rank == 8
-    assert head.sampled_rank == 8 and head.n_probes == 4 and curves.served_n_probes == 4
-    # A lower rank scores fewer rows per sampled row and gives a larger TV distance at T=1.
-    fractions = [r.sampling[1].scored_fraction for r in curves.sampled]
-    tv = [r.sampling[1].tv_distance for r in curves.sampled]
-    assert fractions == sorted(fractions) and tv[0] > tv[-1]
 
 
 def test_plot_fidelity_writes_a_png(head_and_states, tmp_path):
