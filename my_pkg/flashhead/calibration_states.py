@@ -23,6 +23,8 @@ __all__ = ["CalibrationStates", "WeightOnly", "calibration_states", "validation_
 
 @dataclass
 class CalibrationStates:
+    """Checked states to fit stage 1 to, and where they came from."""
+
     hidden: torch.Tensor  # [N, H] float32
     source: str  # "text", "hidden_states" or "self"
     self_calibration: dict[str, Any] | None = None  # how the model's own samples were made (source "self")
@@ -30,6 +32,8 @@ class CalibrationStates:
 
 @dataclass
 class WeightOnly:
+    """No calibration states: the build's stage 1 is weight-only."""
+
     reason: str  # config.json's record of why
 
 

@@ -82,6 +82,8 @@ class EvalOptions:
 
 @dataclass
 class EvalReport:
+    """What an eval measured, and on what: the served head, the states, the fidelity (and the sweep, the plot)."""
+
     model_dir: Path
     source: str  # "file", "text" or "synthetic"
     source_path: Path | None  # the states file or the text
