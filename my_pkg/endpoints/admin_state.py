@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from vllm.engine.protocol import EngineClient
 
 R = TypeVar("R", bound=BaseModel)
+#: The `in_flight` key of the FlashHead update (its prepare, then its commit): one at a time per API server.
 UPDATE_KEY = "flashhead_update"
 #: vLLM's private directory for the multiprocess metrics of a run with several API servers.
 ENV_PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
