@@ -30,7 +30,9 @@ def render(name: str) -> str:
 
 
 def _block(text: str, name: str) -> str | None:
-    found = re.search(rf"<!-- generated from my_pkg/contract.py: {name} -->\n(.*?)\n<!-- end {name} -->", text, re.S)
+    found = re.search(
+        rf"<!-- generated from my_pkg/contract/reasons.py: {name} -->\n(.*?)\n<!-- end {name} -->", text, re.S
+    )
     return found.group(1) if found else None
 
 
