@@ -1,7 +1,7 @@
 """The audit as `GET /plugins/my_pkg/audit` answers it: the engines' entries merged per transaction, with this
 API server's outcomes folded in.
 
-The engines keep what they applied or rejected (`my_pkg.engine.admin_state`); an applied update is kept by
+The engines keep what they applied or rejected (`my_pkg.engine.admin_ledger`); an applied update is kept by
 every engine that committed it, and is listed once (`kept_by`). This API server's own outcomes of a
 transaction the engines kept (partial, failed, a 504 answered before it applied) are folded into that
 entry; the others (`my_pkg.endpoints.audit.AuditLog`) are listed as they are.

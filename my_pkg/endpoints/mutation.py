@@ -3,7 +3,7 @@ without it). It gives the route, in one place:
 
 * **serialisation**: one mutation per key at a time in this API server (a second answers 409 at once),
   run as a task that is never cancelled, so a caller who gives up (timeout, gone) cannot leave it half
-  done; across API servers the engines' leases serialise (see `my_pkg.engine.admin_state`);
+  done; across API servers the engines' leases serialise (see `my_pkg.engine.admin_ledger`);
 * **auditing**: refusals go to this server's audit log; a failure (5xx) the route did not audit itself
   is recorded as failed, and a wait that expires as pending (504, with `PENDING_NOTE`); a route that
   writes its own outcome marks its error `AUDITED` (the FlashHead update, `my_pkg.endpoints.updates`);
