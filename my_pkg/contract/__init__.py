@@ -80,6 +80,7 @@ from my_pkg.contract.transaction import (
 )
 from my_pkg.contract.update import (
     MAX_UPDATE_INT,
+    NULLABLE_FIELDS,
     UPDATE_FIELDS,
     FlashHeadUpdate,
     ProbeCount,
@@ -109,6 +110,7 @@ __all__ = [
     "SPEC_REASON_CODES",
     "STATUS",
     "TRANSACTION_ID_PATTERN",
+    "NULLABLE_FIELDS",
     "UPDATE_FIELDS",
     "WORKER_INFO",
     "WORKER_METHOD_NAMES",

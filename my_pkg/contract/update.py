@@ -84,8 +84,8 @@ class FlashHeadUpdate(BaseModel):
     def _given_fields_valid(self) -> FlashHeadUpdate:
         nulls = [
             name
-            for name in ("enabled", "n_probes", "draft_n_probes")
-            if name in self.model_fields_set and getattr(self, name) is None
+            for name in UPDATE_FIELDS
+            if name not in NULLABLE_FIELDS and name in self.model_fields_set and getattr(self, name) is None
         ]
         if nulls:
             raise ValueError(f"{', '.join(repr(n) for n in nulls)} must not be null (leave the field out to keep it)")
@@ -112,6 +112,10 @@ def update_errors(update: Any) -> list[str]:
 
 #: Fields of `FlashHeadUpdate`, in the order the API documents them.
 UPDATE_FIELDS: Final = tuple(FlashHeadUpdate.model_fields)
+#: Fields whose `null` is a value; the others may be left out but not sent as `null`.
+NULLABLE_FIELDS: Final = tuple(
+    name for name, field in FlashHeadUpdate.model_fields.items() if field.json_schema_extra is not _absent_not_null
+)
 
 
 class SettingsValues(BaseModel):
@@ -134,11 +138,9 @@ class SettingsValues(BaseModel):
 
     def whole(self, update: dict[str, Any] | None = None) -> dict[str, Any]:
         """These settings with `update` over them, as a whole update: every field a worker can take (`null`
-        only for `dense_batch_threshold`, where it is a value)."""
+        only for the `NULLABLE_FIELDS`, where it is a value)."""
         merged = {**self.model_dump(), **(update or {})}
-        return {
-            k: v for k, v in merged.items() if k in UPDATE_FIELDS and (v is not None or k == "dense_batch_threshold")
-        }
+        return {k: v for k, v in merged.items() if k in UPDATE_FIELDS and (v is not None or k in NULLABLE_FIELDS)}
 
 
 class ValidationReply(RankedReply):

@@ -30,3 +30,21 @@ def test_the_package_exports_every_public_name_of_its_modules():
     defined = set().union(*(_defined(f"my_pkg.contract.{name}") for name in modules))
     assert defined == set(contract.__all__)
     assert all(hasattr(contract, name) for name in contract.__all__)
+
+
+def test_null_is_a_value_of_the_nullable_update_fields_only():
+    schema = contract.FlashHeadUpdate.model_json_schema()["properties"]
+    assert contract.NULLABLE_FIELDS == ("dense_batch_threshold",)
+    for name in contract.UPDATE_FIELDS:
+        admits_null = any(branch.get("type") == "null" for branch in schema[name].get("anyOf", []))
+        refusal = contract.update_errors({name: None})
+        assert admits_null == (name in contract.NULLABLE_FIELDS) == (refusal == []), (name, refusal)
+
+
+def test_whole_settings_keep_null_only_where_it_is_a_value():
+    held = contract.SettingsValues(enabled=True, n_probes=4)
+    assert held.whole({"dense_batch_threshold": None}) == {
+        "enabled": True,
+        "n_probes": 4,
+        "dense_batch_threshold": None,
+    }
