@@ -208,7 +208,8 @@ def _calibration_states(args: argparse.Namespace, hidden_size: int, device: str)
     """
     import torch
 
-    from .flashhead.evaluate import capture_hidden_states, load_hidden_states
+    from .flashhead.evaluate import load_hidden_states
+    from .flashhead.hf import capture_hidden_states
 
     if args.calibration is not None:
         try:
@@ -248,7 +249,8 @@ def _calibration_states(args: argparse.Namespace, hidden_size: int, device: str)
 def _self_calibration_states(args: argparse.Namespace, device: str):
     """``(hidden, "self", record)`` from the model's own samples, or ``None`` (weight-only, with a warning)
     when the checkpoint cannot be run (no ``transformers``, a head-only file, an unknown architecture)."""
-    from .flashhead.calibration import SELF_CALIBRATION_PROMPTS, generate_calibration_states, load_causal_lm
+    from .flashhead.calibration import SELF_CALIBRATION_PROMPTS, generate_calibration_states
+    from .flashhead.hf import load_causal_lm
 
     try:
         model, tokenizer = load_causal_lm(args.model_dir, device)
@@ -286,7 +288,8 @@ def _self_calibration_states(args: argparse.Namespace, device: str):
 
 def _validation_states(args: argparse.Namespace, device: str) -> dict:
     """States of the model's own samples to validate a text calibration's n_probes on (empty when it cannot run)."""
-    from .flashhead.calibration import generate_calibration_states, load_causal_lm
+    from .flashhead.calibration import generate_calibration_states
+    from .flashhead.hf import load_causal_lm
 
     if args.validation_states == 0:
         return {}
@@ -508,7 +511,6 @@ def _eval(args) -> int:
         stop_and_special_token_ids,
     )
     from .flashhead.evaluate import (
-        capture_hidden_states,
         dense_agreement,
         evaluate,
         format_fidelity_table,
@@ -518,6 +520,7 @@ def _eval(args) -> int:
         serving_fidelity,
         synthetic_hidden_states,
     )
+    from .flashhead.hf import capture_hidden_states
     from .flashhead.settings import default_settings
 
     if args.plot is not None:
