@@ -1,4 +1,4 @@
-"""Developer tools that ship with the package but are not used by the plugin itself.
+"""Developer tools, run from a source checkout: not in the wheel, and never imported by the plugin.
 
 `compat` checks every vLLM symbol the engine half uses against a vLLM release's sources.
 """

@@ -2,7 +2,7 @@
 
 Records kept apart so that abuse of one cannot wipe another:
 
-* **mutations** live in the engines (`my_pkg.engine.admin_state`): each worker writes the update it applied
+* **mutations** live in the engines (`my_pkg.engine.admin_ledger`): each worker writes the update it applied
   and, collapsed with a count, the ones it rejected, so every API server reads the same history;
 * **the log** is the durable record: every transaction's outcome (applied, rejected, partial, failed,
   pending), from whichever API server ran it, is one JSON line on the `...endpoints.audit` logger, with

@@ -22,7 +22,7 @@ logger = logging.getLogger(LOGGER_NAME)
 #: URL prefix of every route of the plugin.
 ROUTE_PREFIX = f"/plugins/{PLUGIN_NAME}"
 
-#: Attribute of ``app.state`` holding the :class:`~my_pkg.endpoints.client.AdminState`.
+#: Attribute of ``app.state`` holding the :class:`~my_pkg.endpoints.admin_state.AdminState`.
 STATE_ATTR = "my_pkg_admin"
 
 #: Entry-point name of the engine half in ``vllm.general_plugins``.

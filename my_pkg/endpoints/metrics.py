@@ -34,7 +34,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from my_pkg.endpoints.client import AdminState, StatusSnapshot
+from my_pkg.endpoints.admin_state import AdminState, StatusSnapshot
 from my_pkg.endpoints.config import logger
 
 #: Content type of the plugin's route: Prometheus text format 0.0.4, as vLLM's /metrics.

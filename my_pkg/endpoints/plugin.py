@@ -7,8 +7,8 @@ from argparse import Namespace
 from typing import TYPE_CHECKING, Any
 
 from my_pkg import PLUGIN_NAME, __version__
+from my_pkg.endpoints.admin_state import AdminState
 from my_pkg.endpoints.auth import resolve_tokens, warn_about
-from my_pkg.endpoints.client import AdminState
 from my_pkg.endpoints.config import (
     ENV_ADMIN_TOKEN,
     ENV_ALLOW_ANONYMOUS_READS,

@@ -10,7 +10,7 @@ For every request to a route of the plugin, in this order:
 5. any failure becomes the JSON error body of `errors.py`, never a 500; errors carrying worker or bug
    text are shown in full to the admin role only.
 
-A mutating route must be declared with `updates.mutation` (auditing, serialisation and snapshot
+A mutating route must be declared with `mutation.mutation` (auditing, serialisation and snapshot
 invalidation come from it): the class refuses to build one that is not.
 """
 
@@ -38,7 +38,7 @@ from my_pkg.endpoints.errors import (
 )
 
 MAX_REPORTED_VALIDATION_ERRORS = 10
-#: Attribute `updates.mutation` sets on the endpoints it wraps.
+#: Attribute `mutation.mutation` sets on the endpoints it wraps.
 MUTATION_MARK = "__my_pkg_mutation__"
 
 
@@ -50,7 +50,7 @@ class AdminRoute(APIRoute):
         if set(self.methods or ()) - SAFE_METHODS and not getattr(endpoint, MUTATION_MARK, False):
             raise TypeError(
                 f"{endpoint.__name__}: a mutating admin route must be declared with @mutation "
-                "(my_pkg.endpoints.updates), which audits, serialises and invalidates the snapshot"
+                "(my_pkg.endpoints.mutation), which audits, serialises and invalidates the snapshot"
             )
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:

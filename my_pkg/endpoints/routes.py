@@ -1,7 +1,7 @@
 """The admin API's handlers (all under ``/plugins/my_pkg``), on one module-level router.
 
 The route class (`route_class.AdminRoute`) authenticates every request before its body is read and turns
-every failure into a JSON error; `updates.mutation` gives a mutating route its serialisation, audit and
+every failure into a JSON error; `mutation.mutation` gives a mutating route its serialisation, audit and
 snapshot invalidation; every error is built in `errors.py`.
 """
 
@@ -23,8 +23,9 @@ from my_pkg.contract import (
     WorkerConfig,
     WorkerIdentity,
 )
+from my_pkg.endpoints.admin_state import UPDATE_KEY, AdminState, consistent, etag_of
+from my_pkg.endpoints.audit_merge import engine_audit, merged_audit
 from my_pkg.endpoints.auth import require_admin_auth, require_admin_role
-from my_pkg.endpoints.client import UPDATE_KEY, AdminState, consistent, etag_of
 from my_pkg.endpoints.config import ROUTE_PREFIX, STATE_ATTR
 from my_pkg.endpoints.errors import (
     bad_if_match_error,
@@ -45,15 +46,9 @@ from my_pkg.endpoints.models import (
     WorkerInfo,
     WorkersResponse,
 )
+from my_pkg.endpoints.mutation import mutation
 from my_pkg.endpoints.route_class import AdminRoute
-from my_pkg.endpoints.updates import (
-    engine_audit,
-    merged_audit,
-    mutation,
-    parse_if_match,
-    update_flashhead,
-    update_wait_s,
-)
+from my_pkg.endpoints.updates import parse_if_match, update_flashhead, update_wait_s
 
 #: `If-Match`: an ETag of GET /flashhead (`"7.0123456789ab"`) or a bare settings version (`7`, `"7"`), optionally
 #: weak (`W/"7"`), or `*` (any).

@@ -1,18 +1,7 @@
-"""Mutations of the admin API: the `@mutation` decorator and the FlashHead update transaction.
+"""The FlashHead update transaction (one truth for every API server, the engines), declared on its route with
+`@mutation` (`my_pkg.endpoints.mutation`), and the catch-up that runs it after an engine restarts.
 
-`@mutation(key, what)` is how a mutating route is declared (the route class refuses one without it). It
-gives the route, in one place:
-
-* **serialisation**: one mutation per key at a time in this API server (a second answers 409 at once),
-  run as a task that is never cancelled, so a caller who gives up (timeout, gone) cannot leave it half
-  done; across API servers the engines' leases serialise (see `my_pkg.engine.admin_state`);
-* **auditing**: refusals go to this server's audit log; the transaction writes its own outcome (one JSON
-  line per applied, rejected, partial or failed update, with the outcome on every engine); the engines
-  keep what they applied or rejected;
-* **snapshot invalidation**: whatever the outcome, the status snapshot is marked stale here and on the
-  sibling API servers of the node, and refreshed in the background.
-
-`update_flashhead` is the transaction (one truth for every API server, the engines):
+`update_flashhead`:
 
 1. **prepare** the engines one by one in ascending data-parallel rank: each worker validates the update
    and takes its lease for this transaction, or answers why not (invalid here, busy). Taking the engines in
@@ -33,46 +22,33 @@ grow with data parallelism); preparing must end within half the lease, or nothin
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-from fastapi import Request
-from pydantic import BaseModel
+from typing import Any
 
 from my_pkg.contract import (
-    AUDIT,
     FLASHHEAD_ABORT,
     FLASHHEAD_COMMIT,
     FLASHHEAD_PREPARE,
     MAX_LEASE_S,
-    AuditEntry,
     AuditInput,
-    AuditReply,
     CommitReply,
     PrepareReply,
     SettingsValues,
     Transaction,
 )
-from my_pkg.endpoints.audit import caller, record_refusal
-from my_pkg.endpoints.client import (
+from my_pkg.endpoints.admin_state import (
     UPDATE_KEY,
     AdminState,
     StatusSnapshot,
     consistent,
     etag_of,
     held_settings,
-    parse_replies,
 )
+from my_pkg.endpoints.client import parse_replies
 from my_pkg.endpoints.config import ROUTE_PREFIX, logger
 from my_pkg.endpoints.errors import (
-    NOTHING_APPLIED_NOTE,
-    PARTIAL_APPLY_NOTE,
-    PENDING_NOTE,
     AdminAPIError,
     flashhead_unavailable_error,
     invalid_update_error,
@@ -81,84 +57,21 @@ from my_pkg.endpoints.errors import (
     update_in_progress_error,
     version_conflict_error,
 )
-from my_pkg.endpoints.route_class import MUTATION_MARK
+from my_pkg.endpoints.mutation import AUDITED
 
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 #: Seconds a worker's lease lasts at least; longer when the API server waits longer for the workers.
 MIN_LEASE_S = 30.0
-#: Marks an error whose outcome the transaction already wrote to the audit.
-AUDITED = "_my_pkg_audited"
 #: The API server's clock for the transaction's deadline.
 clock = time.monotonic
-
-
-def mutation(key: str, what: str, wait_s: Callable[[AdminState], float] | None = None) -> Callable[[F], F]:
-    """Declare a mutating route (see the module docstring). The endpoint takes `request: Request` and
-    `state: AdminState` (the `State` dependency) among its parameters. `wait_s(state)`: how long the caller
-    waits for it (default `MY_PKG_RPC_TIMEOUT`)."""
-
-    def decorate(endpoint: F) -> F:
-        params = inspect.signature(endpoint).parameters
-        if "request" not in params or "state" not in params:
-            raise TypeError(f"{endpoint.__name__}: a @mutation endpoint takes `request` and `state`")
-
-        @functools.wraps(endpoint)
-        async def run(**kwargs: Any) -> Any:
-            request: Request = kwargs["request"]
-            state: AdminState = kwargs["state"]
-            state.check_engine_alive()
-            if state.in_flight.running(key):
-                last = state.last_status()  # the version as last seen here: this refusal asks no engine
-                error = update_in_progress_error(
-                    _body_of(kwargs), holder=state.identity, version=last.settings_version if last is not None else None
-                )
-                record_refusal(request, error.status_code, error.message)
-                raise error
-            who = caller(request)
-            request.state.my_pkg_caller = who
-
-            async def work() -> Any:
-                try:
-                    return await endpoint(**kwargs)
-                except AdminAPIError as exc:
-                    if exc.status_code >= 500 and not getattr(exc, AUDITED, False):
-                        state.audit.record(
-                            who,
-                            exc.status_code,
-                            "failed",
-                            reason=exc.message,
-                            **{k: v for k, v in exc.extra.items() if k in ("update", "engines")},
-                        )
-                    raise
-                finally:
-                    state.invalidate_status()
-                    state.refresh_status_soon()  # vLLM's /metrics gets the new values without waiting
-
-            task = state.in_flight.start(key, work)
-            try:
-                return await state.wait(task, what, wait_s(state) if wait_s is not None else None)
-            except AdminAPIError as exc:
-                if exc.status_code == 504:
-                    exc.extra.setdefault("note", PENDING_NOTE)
-                    exc.extra.setdefault("transaction", who.get("transaction"))
-                    state.audit.record(who, 504, "pending", reason=exc.message)
-                raise
-
-        setattr(run, MUTATION_MARK, True)
-        return run  # type: ignore[return-value]
-
-    return decorate
-
-
-def _body_of(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The request body's fields that were given, for a refusal's answer."""
-    for value in kwargs.values():
-        if isinstance(value, BaseModel):
-            return value.model_dump(exclude_unset=True)
-    return {}
-
-
-# ---- the FlashHead update ---------------------------------------------------------------------------
+#: The `note` of a 503 whose commit failed: on an engine after the first (partial), or on the first.
+PARTIAL_APPLY_NOTE = (
+    "Committing the update failed on an engine: it is in force on committed_engines only, and every other "
+    "engine's lease was released (engine_settings says what each holds). The next PUT, from any API server, "
+    "brings every engine to the same settings: retry it."
+)
+NOTHING_APPLIED_NOTE = (
+    "Committing the update failed on the first engine: nothing was applied and every lease was released. Retry the PUT."
+)
 
 
 def update_wait_s(state: AdminState) -> float:
@@ -444,57 +357,12 @@ def catch_up(state: AdminState, snapshot: StatusSnapshot) -> None:
     state.in_flight.start(UPDATE_KEY, run)
 
 
-# ---- reading the audit ------------------------------------------------------------------------------
-
-
-async def engine_audit(state: AdminState) -> list[dict[str, Any]]:
-    """Every engine's entries: an applied update once per transaction (`kept_by`: the engines that committed
-    it), rejections as each engine counted them; oldest first."""
-    replies = parse_replies(AUDIT, AuditReply, await state.call_unbounded(AUDIT))
-    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for reply in replies:
-        for position, entry in enumerate(reply.entries):
-            record = entry.model_dump(mode="json", exclude_none=True)
-            before = [{"dp_rank": reply.dp_rank, **b} for b in record.pop("before", [])]
-            if record.get("result") == "applied" and record.get("transaction"):
-                key: tuple[Any, ...] = ("applied", record["transaction"])
-            else:
-                key = ("engine", reply.dp_rank, reply.rank, position)
-            kept = merged.setdefault(key, {**record, "kept_by": [], "before": []})
-            kept["kept_by"].append(reply.dp_rank)
-            kept["before"].extend(before)  # each engine's settings before it applied the update
-    return sorted(merged.values(), key=lambda e: e["time"])
-
-
-def merged_audit(engine_entries: list[dict[str, Any]], local: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The engines' entries with this API server's outcomes: an outcome of a transaction the engines kept
-    (partial, failed) is folded into that entry, and so is a 504 its caller got before it applied
-    (`answered_status_code`); the others are listed as they are. Oldest first."""
-    by_txn = {e["transaction"]: e for e in engine_entries if e.get("result") == "applied" and e.get("transaction")}
-    rest = []
-    for entry in local:
-        kept = by_txn.get(entry.get("transaction") or "")
-        if kept is not None and entry.get("result") in ("partial", "failed"):
-            outcome = ("result", "status_code", "committed_engines", "outcomes", "reason")
-            kept.update({k: entry[k] for k in outcome if k in entry})
-        elif kept is not None and entry.get("result") == "pending":
-            kept["answered_status_code"] = entry["status_code"]
-        else:
-            rest.append(entry)
-    return sorted([*engine_entries, *rest], key=lambda e: e["time"])
-
-
-def as_entries(records: list[dict[str, Any]]) -> list[AuditEntry]:
-    return [AuditEntry.model_validate(r) for r in records]
-
-
 __all__ = [
     "IfMatch",
     "UpdateResult",
     "catch_up",
-    "engine_audit",
-    "merged_audit",
-    "mutation",
+    "lease_seconds",
     "parse_if_match",
     "update_flashhead",
+    "update_wait_s",
 ]

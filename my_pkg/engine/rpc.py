@@ -40,7 +40,7 @@ from my_pkg.contract import (
     WorkerStatus,
     update_errors,
 )
-from my_pkg.engine.admin_state import AdminLedger, ledger_of
+from my_pkg.engine.admin_ledger import AdminLedger, ledger_of
 from my_pkg.engine.jsonable import plain, redacted_section
 from my_pkg.engine.patches import top_p_sampler
 from my_pkg.engine.vllm_uses import attributes

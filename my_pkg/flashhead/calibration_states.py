@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from .build_report import MIN_CALIBRATION_STATES, NO_CALIBRATION_REASON, BuildOptions, BuildProgress
-from .calibration import SELF_CALIBRATION_PROMPTS, generate_calibration_states, load_causal_lm
-from .evaluate import capture_hidden_states, load_hidden_states
+from .calibration import SELF_CALIBRATION_PROMPTS, generate_calibration_states
+from .evaluate import load_hidden_states
+from .hf import capture_hidden_states, load_causal_lm
 
 __all__ = ["CalibrationStates", "WeightOnly", "calibration_states", "validation_states"]
 

@@ -31,9 +31,10 @@ from .assets import (
 )
 from .build_report import DEFAULT_TARGET_AGREEMENT
 from .curves import fidelity_curves, plot_probe_counts
-from .evaluate import EvalRow, capture_hidden_states, dense_agreement, evaluate, load_hidden_states
+from .evaluate import EvalRow, dense_agreement, evaluate, load_hidden_states
 from .fidelity import ServingFidelity, logit_postprocess, serving_fidelity
 from .head import FlashHead
+from .hf import capture_hidden_states
 from .settings import default_settings
 from .synthetic import synthetic_hidden_states
 

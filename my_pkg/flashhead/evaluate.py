@@ -18,9 +18,9 @@ counting those rounding flips against FlashHead under-reports it.
   (``F.linear`` into the same ``[1, V]`` logits).
 
 Hidden states come from a ``.safetensors`` file (:func:`load_hidden_states`) or from running the local
-Hugging Face model on a text (:func:`capture_hidden_states`: final hidden state after the last norm, every
-position); :mod:`.synthetic` makes synthetic ones. The logits serving hands to vLLM's sampler are measured
-by :mod:`.fidelity`.
+Hugging Face model on a text (:func:`~my_pkg.flashhead.hf.capture_hidden_states`: final hidden state after
+the last norm, every position); :mod:`.synthetic` makes synthetic ones. The logits serving hands to vLLM's
+sampler are measured by :mod:`.fidelity`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ __all__ = [
     "evaluate",
     "dense_agreement",
     "load_hidden_states",
-    "capture_hidden_states",
     "format_table",
 ]
 
@@ -71,49 +70,6 @@ def load_hidden_states(path: str | Path) -> torch.Tensor:
         if key is None:
             raise ValueError(f"{path}: no 2-D tensor found (keys: {keys})")
         return f.get_tensor(key).float()
-
-
-def capture_hidden_states(
-    model_dir: str | Path,
-    text: str,
-    *,
-    max_tokens: int = 2048,
-    device: str = "cpu",
-    chunk: int = 512,
-    progress: bool = False,
-) -> torch.Tensor:
-    """Run the local HF model on ``text`` and return the final (normed) hidden state of every position.
-
-    ``output_hidden_states`` ends with the state after the model's final norm for Llama-style models;
-    this is verified against the model's own logits, and the final norm is applied when it is not.
-    """
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
-    context = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(context, int) and context > 0:  # positions past the trained context give states serving never sees
-        chunk = min(chunk, context)
-    ids = tok(text, return_tensors="pt").input_ids[0][:max_tokens]
-    if ids.numel() == 0:
-        raise ValueError("the text produced no tokens")
-    outs = []
-    head = model.get_output_embeddings()
-    with torch.no_grad():
-        for s in tqdm(range(0, ids.numel(), chunk), desc="hidden states", unit="chunk", disable=not progress):
-            piece = ids[s : s + chunk].unsqueeze(0).to(device)
-            out = model(piece, output_hidden_states=True)
-            hs = out.hidden_states[-1][0]
-            if not torch.allclose(head(hs).float(), out.logits[0].float(), rtol=1e-3, atol=1e-3):
-                norm = getattr(getattr(model, "model", None), "norm", None)
-                if norm is None or not torch.allclose(
-                    head(norm(hs)).float(), out.logits[0].float(), rtol=1e-3, atol=1e-3
-                ):
-                    raise RuntimeError("cannot reproduce the model's logits from its last hidden state")
-                hs = norm(hs)
-            outs.append(hs.float().cpu())
-    return torch.cat(outs)
 
 
 def _time_ms(fn, repeats: int) -> float:

@@ -71,7 +71,7 @@ def prepare_model(work: Path, assets: Path = DEMO_MODEL_DIR) -> Path:
 
 def start_eval(model: Path, work: Path, assets: Path = DEMO_MODEL_DIR) -> tuple[subprocess.Popen, list[str], Path, int]:
     """Start `eval --json --plot` on the held-out text's hidden states; returns (process, command, png, probes)."""
-    from my_pkg.flashhead.evaluate import capture_hidden_states
+    from my_pkg.flashhead.hf import capture_hidden_states
 
     states = work / "heldout_states.safetensors"
     if not states.exists():

@@ -354,7 +354,7 @@ class FakeEngines:
             self._set_clock(dp)
 
     def _set_clock(self, dp: int) -> None:
-        from my_pkg.engine.admin_state import ledger_of
+        from my_pkg.engine.admin_ledger import ledger_of
 
         for worker in self.engines[dp].workers:
             ledger_of(worker).clock = lambda: self.clock[0]
@@ -362,7 +362,7 @@ class FakeEngines:
     def restart(self, dp: int, new_pids: bool = False) -> None:
         """What a new engine process starts with: default settings, no ledger (version 0, no audit); with
         `new_pids`, its workers answer with other pids (as the API server then sees a restart)."""
-        from my_pkg.engine.admin_state import WORKER_ATTR
+        from my_pkg.engine.admin_ledger import WORKER_ATTR
 
         if new_pids:
             fake = self.engines[dp]
@@ -391,7 +391,7 @@ class FakeEngines:
 
     def held(self) -> list[tuple[int, int, int, tuple]]:
         """(dp_rank, rank, version, (enabled, n_probes, dense_batch_threshold)) of every worker."""
-        from my_pkg.engine.admin_state import ledger_of
+        from my_pkg.engine.admin_ledger import ledger_of
 
         return [
             (dp, rank, ledger_of(worker).version, (fh["enabled"], fh["n_probes"], fh["dense_batch_threshold"]))

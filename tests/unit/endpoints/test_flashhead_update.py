@@ -171,7 +171,7 @@ async def test_if_match_with_the_etag_compares_every_engines_settings(app_client
 async def test_an_update_held_by_another_api_server_is_409_with_the_holder(app_client, engine, assert_error):
     """Another API server (another process) prepared the engine and has not committed yet."""
     from my_pkg.contract import Transaction
-    from my_pkg.engine.admin_state import ledger_of
+    from my_pkg.engine.admin_ledger import ledger_of
 
     for worker in engine.workers:
         ledger_of(worker).take(Transaction(id="other", holder="host:42/api1", lease_s=60))
@@ -183,7 +183,7 @@ async def test_an_update_held_by_another_api_server_is_409_with_the_holder(app_c
 async def test_a_lapsed_lease_does_not_wedge_updates(app_client, engine):
     """An API server that crashed between prepare and commit: its lease lapses."""
     from my_pkg.contract import Transaction
-    from my_pkg.engine.admin_state import ledger_of
+    from my_pkg.engine.admin_ledger import ledger_of
 
     for worker in engine.workers:
         ledger_of(worker).take(Transaction(id="crashed", holder="gone:1/api1", lease_s=0.001))

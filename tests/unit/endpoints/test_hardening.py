@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from fastapi import APIRouter
 
+from my_pkg.endpoints.mutation import mutation
 from my_pkg.endpoints.route_class import AdminRoute
 from my_pkg.endpoints.routes import mutating_routes
-from my_pkg.endpoints.updates import mutation
 
 pytestmark = pytest.mark.anyio
 

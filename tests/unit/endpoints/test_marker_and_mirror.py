@@ -10,7 +10,7 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from my_pkg import contract
-from my_pkg.endpoints.client import StatusSnapshot, UpdateMarker
+from my_pkg.endpoints.admin_state import StatusSnapshot, UpdateMarker
 
 
 def test_without_sibling_api_servers_there_is_no_marker_file(monkeypatch):

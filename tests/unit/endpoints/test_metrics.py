@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from my_pkg import contract
-from my_pkg.endpoints.client import StatusSnapshot
+from my_pkg.endpoints.admin_state import StatusSnapshot
 from my_pkg.endpoints.metrics import expose_on_registry, render
 
 pytestmark = pytest.mark.anyio

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from my_pkg import contract
-from my_pkg.engine.admin_state import ledger_of
+from my_pkg.engine.admin_ledger import ledger_of
 
 ADMIN = "admin-token-admin-token-admin-token-0123"
 URL = "/plugins/my_pkg/flashhead"

@@ -362,7 +362,7 @@ def test_a_commit_refuses_a_version_that_does_not_increase_or_moved_since_the_pr
         with pytest.raises(RuntimeError, match="not above"):
             rpc.my_pkg_flashhead_commit(flashhead_worker, {"n_probes": 7}, _txn("b", new_version=version))
     # A lapsed lease nobody took is still the transaction's, but not once the version moved under it.
-    from my_pkg.engine.admin_state import ledger_of
+    from my_pkg.engine.admin_ledger import ledger_of
 
     ledger_of(flashhead_worker).version = 4  # e.g. an in-process `my_pkg_flashhead_apply` in between
     with pytest.raises(RuntimeError, match="moved from 3 to 4"):
@@ -399,7 +399,7 @@ def test_worker_methods_check_the_transaction_against_the_contract(flashhead_wor
     ):
         with pytest.raises(ValueError, match=expected):
             call()
-    from my_pkg.engine.admin_state import ledger_of
+    from my_pkg.engine.admin_ledger import ledger_of
 
     assert ledger_of(flashhead_worker).lease is None
 

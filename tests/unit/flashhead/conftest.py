@@ -1,4 +1,4 @@
-"""Helpers for the FlashHead tests: tiny checkpoints written on the fly."""
+"""Helpers for the FlashHead tests: tiny checkpoints written on the fly, and the calibration tests' head and states."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.clustering import balanced_kmeans
+from my_pkg.flashhead.clustering import ClusteringResult, balanced_kmeans
 from my_pkg.flashhead.synthetic import synthetic_head, synthetic_hidden_states
 
 
@@ -71,8 +71,50 @@ def make_model(tmp_path):
     return _make
 
 
+@pytest.fixture(scope="package")
+def calibration_clusters() -> tuple[torch.Tensor, ClusteringResult]:
+    """The calibration tests' head ``[1024, 32]`` and its weight-only clusters of 16."""
+    weight = synthetic_head(1024, 32, seed=3)
+    return weight, balanced_kmeans(weight, 16, iterations=8, progress=False)
+
+
+def lm_like_states(weight: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """LM-like states: aimed at a head row, plus a shared offset direction (as trained LMs have)."""
+    hidden = synthetic_hidden_states(weight, n, noise=1.5, seed=seed)
+    offset = torch.nn.functional.normalize(
+        torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(5)), dim=0
+    )
+    return hidden + 0.7 * offset * hidden.norm(dim=1, keepdim=True)
+
+
+def greedy_agreement(
+    weight: torch.Tensor,
+    centroids: torch.Tensor,
+    assignments: torch.Tensor,
+    hidden: torch.Tensor,
+    n_probes: int,
+    pinned: list[int],
+) -> float:
+    """Independent reference: FlashHead's greedy pick over the candidates plus the pinned ids, judged in float32."""
+    head = FlashHead(weight, centroids, assignments, n_probes=n_probes)
+    ids, _ = head.candidate_logits(hidden)
+    if pinned:
+        ids = torch.cat([ids, torch.tensor(pinned).expand(ids.shape[0], -1)], dim=1)
+    reference = hidden @ weight.t()
+    return float((reference.gather(1, ids).max(1).values >= reference.max(1).values).double().mean())
+
+
+@pytest.fixture(scope="package")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama checkpoint that ``transformers`` runs (vocabulary 512, hidden size 64)."""
+    pytest.importorskip("transformers")
+    from tests.support.tiny_model import TinyLlamaSpec, build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", TinyLlamaSpec(vocab_size=512, hidden_size=64))
+
+
 @pytest.fixture(scope="module")
-def head_and_states():
+def head_and_states() -> tuple[FlashHead, torch.Tensor]:
     """A head of 512 x 32 (32 clusters of 16, n_probes 4, sampled_rank 8) and 300 synthetic states."""
     weight = synthetic_head(512, 32, seed=1)
     res = balanced_kmeans(weight, 16, iterations=4, progress=False)

@@ -3,7 +3,7 @@ import torch
 from safetensors.torch import save_file
 
 from my_pkg.cli import main
-from my_pkg.flashhead.evaluate import capture_hidden_states
+from my_pkg.flashhead.hf import capture_hidden_states
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

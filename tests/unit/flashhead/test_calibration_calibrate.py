@@ -1,97 +1,92 @@
-"""The builder keeps the stage 1 (calibrated or weight-only) that meets the promise with the fewest probes."""
+"""The build's stage-1 calibration (``my_pkg.flashhead.calibration.calibrate``): the probe count chosen on
+held-out and validation states, and the stage 1 (calibrated or weight-only) that meets the promise with the
+fewest probes, down to what ``my-pkg flashhead build`` writes."""
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-import my_pkg.flashhead.calibration as calibration
+import my_pkg.flashhead.calibration.calibrate as calibrate
 from my_pkg.cli import main
 from my_pkg.flashhead.assets import CACHE_DIR_NAME, CACHE_FILE_NAME, CALIBRATION_KEY, read_config
 from my_pkg.flashhead.calibration import (
     CALIBRATED,
     WEIGHT_ONLY,
     agreement_curve,
-    apply_probe_rule,
+    agreement_lower_bound,
     calibrate_stage1,
     cluster_targets,
-    keep_stage1,
     probes_needed,
 )
-from my_pkg.flashhead.clustering import balanced_kmeans
-from my_pkg.flashhead.synthetic import synthetic_head, synthetic_hidden_states
+from my_pkg.flashhead.synthetic import synthetic_hidden_states
 
-C, CAP, V = 64, 16, 1024
+from .conftest import lm_like_states
 
-
-def _needing(counts: dict[int, int]) -> torch.Tensor:
-    """Held-out ``probes_needed`` where ``counts[k]`` states need ``k`` probes."""
-    return torch.cat([torch.full((n,), k, dtype=torch.int64) for k, n in counts.items()])
+V = 1024
 
 
-def _rule(needed: dict[str, torch.Tensor], **kw):
-    return apply_probe_rule(needed, C, CAP, V, target_agreement=0.99, confidence=0.95, margin=2.0, **kw)
+def test_calibrate_stage1_chooses_on_heldout_and_compares_with_weight_only(calibration_clusters):
+    weight, res = calibration_clusters
+    hidden = lm_like_states(weight, 2000, seed=4)
+    cal = calibrate_stage1(weight, res.assignments, res.centroids, hidden, target_agreement=0.9, epochs=10)
+    held = hidden[cal.fit.heldout_rows]
+    targets = cluster_targets(weight, res.assignments, held)
+    curve = agreement_curve(probes_needed(cal.centroids, held, targets), res.num_clusters)
+    lower = agreement_lower_bound(curve, held.shape[0], 0.95)
+    # The rule: the bound reaches the target and the estimate shows at most half the misses it allows (margin 2).
+    ok = (lower >= 0.9) & (curve >= 0.95)
+    assert ok[cal.n_probes] and not ok[cal.n_probes - 1] and cal.choice.certified
+    assert cal.choice.agreement == pytest.approx(float(curve[cal.n_probes]))
+    assert cal.weight_only.n_probes > cal.n_probes
+    assert cal.weight_only_same_probes.n_probes == cal.n_probes
+    record = cal.record()
+    assert record["n_probes"] == cal.n_probes and record["heldout_rows"] == 400 and record["rows"] == 2000
+    assert record["weight_only_heldout_agreement"] < record["heldout_agreement"]
+    assert record["target_agreement"] == 0.9 and record["confidence"] == 0.95
 
 
-def test_probe_rule_is_the_smallest_count_meeting_every_set_and_the_pooled_bound():
-    # 2,000 states: 1 % need 20 probes, the rest 3; the margin (<= 0.5 % misses per set) needs all of them.
-    rule = _rule({"heldout": _needing({3: 1980, 20: 20})})
-    assert rule.n_probes == 20 and rule.meets and rule.pooled.agreement == 1.0
-    # A second set that needs more raises the count; each set alone keeps what it needs.
-    both = _rule({"heldout": _needing({3: 2000}), "samples": _needing({3: 1000, 7: 1000})})
-    assert both.n_probes == 7 and both.per_set["heldout"].n_probes == 3 and both.per_set["samples"].n_probes == 7
-    # Misses beyond every count below all clusters: the rule cannot be met.
-    never = _rule({"heldout": _needing({3: 900, C: 100})})
-    assert not never.meets and never.n_probes == C
+def test_calibrate_stage1_writes_the_count_every_validation_set_needs(calibration_clusters):
+    """A validation set from another distribution that needs more probes raises the written count; its record."""
+    weight, res = calibration_clusters
+    hidden = lm_like_states(weight, 2000, seed=4)
+    shifted = synthetic_hidden_states(weight, 1500, noise=2.5, seed=9)  # no shared offset, noisier: other text
+    alone = calibrate_stage1(weight, res.assignments, res.centroids, hidden, target_agreement=0.9, epochs=10)
+    both = calibrate_stage1(
+        weight, res.assignments, res.centroids, hidden, target_agreement=0.9, epochs=10, validation={"shifted": shifted}
+    )
+    assert torch.equal(alone.centroids, both.centroids)  # validation states never reach the fit
+    rows, need, at = both.validation["shifted"]
+    assert rows == 1500 and need.n_probes > alone.n_probes and both.n_probes >= need.n_probes
+    targets = cluster_targets(weight, res.assignments, shifted)
+    curve = agreement_curve(probes_needed(both.centroids, shifted, targets), res.num_clusters)
+    assert float(curve[both.n_probes]) >= 0.95 and at.agreement == pytest.approx(float(curve[both.n_probes]))
+    record = both.record()
+    assert record["validation"]["shifted"]["rows"] == 1500 and record["validation_rows"] == 400 + 1500
+    assert record["validation_agreement_lower_bound"] >= 0.9 and record["margin"] == 2.0
 
 
-def test_keep_stage1_keeps_the_variant_needing_fewer_probes():
-    few, many = _rule({"heldout": _needing({2: 1000})}), _rule({"heldout": _needing({9: 1000})})
-    kept, reason = keep_stage1(few, many)
-    assert kept == CALIBRATED and "n_probes=2" in reason and "needs 9" in reason
-    kept, reason = keep_stage1(many, few)
-    assert kept == WEIGHT_ONLY and "weight-only" in reason and "n_probes=2" in reason and "\n" not in reason
-    # A tie goes to the higher pooled agreement, then to the calibrated one.
-    sure, unsure = _rule({"heldout": _needing({4: 1000})}), _rule({"heldout": _needing({4: 998, 5: 2})})
-    assert sure.n_probes == unsure.n_probes == 4 and sure.meets and unsure.meets
-    assert keep_stage1(unsure, sure)[0] == WEIGHT_ONLY and keep_stage1(sure, unsure)[0] == CALIBRATED
-    assert keep_stage1(sure, sure)[0] == CALIBRATED
+def test_calibrate_stage1_rejects_a_probe_count_beyond_the_clusters(calibration_clusters):
+    weight, res = calibration_clusters
+    hidden = lm_like_states(weight, 50, seed=1)
+    with pytest.raises(ValueError, match="n_probes"):
+        calibrate_stage1(weight, res.assignments, res.centroids, hidden, n_probes=res.num_clusters + 1)
 
 
-def test_keep_stage1_prefers_the_variant_meeting_the_target_and_explains_when_neither_does():
-    meets = _rule({"heldout": _needing({12: 1000})})
-    fails = _rule({"heldout": _needing({2: 900, C: 100})})  # few probes for most states, never the target
-    assert keep_stage1(fails, meets)[0] == WEIGHT_ONLY and keep_stage1(meets, fails)[0] == CALIBRATED
-    worse = _rule({"heldout": _needing({2: 800, C: 200})})
-    kept, reason = keep_stage1(worse, fails)
-    assert not worse.meets and not fails.meets
-    assert reason.startswith("neither stage 1 meets the target") and "\n" not in reason
-    # With a fixed count the higher agreement there wins.
-    at5 = dict(n_probes=5)
-    low, high = _rule({"heldout": _needing({6: 1000})}, **at5), _rule({"heldout": _needing({5: 1000})}, **at5)
-    kept, reason = keep_stage1(low, high, fixed_probes=True)
-    assert kept == WEIGHT_ONLY and reason.startswith("n_probes fixed at 5")
-
-
-@pytest.fixture(scope="module")
-def clustered():
-    weight = synthetic_head(V, 32, seed=3)
-    return weight, balanced_kmeans(weight, CAP, iterations=8, progress=False)
-
-
-def _states(weight, n, seed):
+def _states(weight: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """Plain synthetic states (no shared offset)."""
     return synthetic_hidden_states(weight, n, noise=1.5, seed=seed)
 
 
 def _spoil_the_fit(monkeypatch):
     """A fit that returns random vectors: the calibrated stage 1 then clearly needs more probes."""
-    real = calibration.fit_stage1
+    real = calibrate.fit_stage1
 
     def spoiled(*args, **kwargs):
         result = real(*args, **{**kwargs, "epochs": 1})
         result.centroids = torch.randn(result.centroids.shape, generator=torch.Generator().manual_seed(0))
         return result
 
-    monkeypatch.setattr(calibration, "fit_stage1", spoiled)
+    monkeypatch.setattr(calibrate, "fit_stage1", spoiled)
 
 
 def _needs(centroids, weight, assignments, states, target=0.9):
@@ -100,8 +95,8 @@ def _needs(centroids, weight, assignments, states, target=0.9):
     return int(torch.nonzero(curve >= 1 - (1 - target) / 2).flatten()[0])
 
 
-def test_calibrate_stage1_keeps_weight_only_when_the_fit_needs_more_probes(clustered, monkeypatch):
-    weight, res = clustered
+def test_calibrate_stage1_keeps_weight_only_when_the_fit_needs_more_probes(calibration_clusters, monkeypatch):
+    weight, res = calibration_clusters
     hidden = _states(weight, 1500, seed=4)
     good = calibrate_stage1(weight, res.assignments, res.centroids, hidden, target_agreement=0.9, epochs=6)
     assert good.stage1 == CALIBRATED and good.record()["stage1"] == CALIBRATED
@@ -139,8 +134,6 @@ def test_cli_build_writes_the_kept_stage1_and_records_both(make_model, tmp_path,
     assert needed[WEIGHT_ONLY] == record["n_probes"] == read_config(out_dir)["n_probes"] < needed[CALIBRATED]
     assert record["stage1_reason"].startswith("kept the weight-only stage 1")
     # The weight-only vectors are written: the same as a --no-calibration build's (same seed, same clusters).
-    from safetensors.torch import load_file
-
     kept, base = (load_file(str(d / CACHE_DIR_NAME / CACHE_FILE_NAME)) for d in (out_dir, tmp_path / "none"))
     assert torch.equal(kept["centroids"], base["centroids"])
     # eval's summary line says which stage 1 serves.

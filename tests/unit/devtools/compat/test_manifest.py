@@ -1,13 +1,9 @@
-"""my_pkg.devtools.compat: its manifest comes from the engine modules, and the static checker finds what is there."""
+"""my_pkg.devtools.compat.manifest: the manifest comes from the engine modules' imports and declarations."""
 
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 import textwrap
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,22 +12,19 @@ from my_pkg.devtools.compat import (
     ENGINE_DIR,
     ENGINE_SYMBOLS,
     KINDS,
-    SourceTree,
     VllmSymbol,
-    check_symbols,
     declared_symbols,
     derived_symbols,
     engine_symbols,
-    fetch_wheel,
-    main,
     unused_declarations,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import ROOT
+
 ENGINE = ROOT / "my_pkg" / "engine"
 TABLE = {(symbol.module, symbol.qualname) for symbol in ENGINE_SYMBOLS}
 
-#: The hand-written table compat.py kept before the manifest was derived: `module: qualname ...`
+#: The hand-written table the compat check kept before the manifest was derived: `module: qualname ...`
 #: (`(module)`: the module itself), and the constraints its entries pinned. Every one the engine still uses is
 #: checked.
 OLD_HAND_TABLE = """
@@ -353,174 +346,3 @@ def test_table_entries_are_well_formed_and_unique():
         assert symbol.kind in KINDS and symbol.module.split(".")[0] == "vllm", symbol
         files = [ROOT / "my_pkg" / path.strip() for path in symbol.used_by.split(",")]
         assert symbol.used_by and all(file.is_file() for file in files), symbol
-
-
-def test_installed_vllm_has_every_engine_symbol():
-    tree = SourceTree.installed()
-    results = check_symbols(tree)
-    assert [(r.symbol.name, r.status, r.detail) for r in results if not r.ok] == []
-    assert len(results) == len(ENGINE_SYMBOLS)
-    assert tree.version() and tree.version()[0].isdigit()
-    assert "vllm/v1/worker/gpu_input_batch.py" in tree.files_read
-
-
-# ---- a tiny fake wheel: each lookup rule, and each way a symbol can go missing -----------------------
-
-FAKE_SOURCES = {
-    "vllm/__init__.py": (
-        "from typing import TYPE_CHECKING\n"
-        "from .version import __version__\n"
-        "MODULE_ATTRS = {'Registry': '.models:Registry'}\n"
-        "if TYPE_CHECKING:\n"
-        "    from vllm.layers import Head as OnlyForTypeCheckers\n"
-        "def __getattr__(name):\n"
-        "    raise AttributeError(name)\n"
-    ),
-    "vllm/version.py": "__version__: str\n__version__ = version = '9.9.9'\n",
-    "vllm/models/__init__.py": "from .registry import Registry\nfrom .helpers import *\n",
-    "vllm/models/helpers.py": "def gather(x):\n    return x\n",
-    "vllm/models/registry.py": (
-        "from dataclasses import dataclass, field\n"
-        "class _Registry:\n"
-        "    models: dict = field(default_factory=dict)\n"
-        "Registry = _Registry()\n"
-        "@dataclass(frozen=True)\n"
-        "class Entry:\n"
-        "    module_name: str\n"
-        "    class_name: str\n"
-    ),
-    "vllm/layers.py": (
-        "from torch import nn\n"
-        "class Pluggable(nn.Module):\n"
-        "    @classmethod\n"
-        "    def register_oot(cls, layer=None):\n"
-        "        return layer\n"
-        "class Head(Pluggable):\n"
-        "    def __init__(self, scale):\n"
-        "        self.scale = scale\n"
-        "        self.a, self.b = 1, 2\n"
-        "    def forward(self, lm_head, hidden_states):\n"
-        "        return hidden_states\n"
-        "    @property\n"
-        "    def num_reqs(self):\n"
-        "        return 0\n"
-        "class Sub(Head):\n"
-        "    pass\n"
-    ),
-}
-
-
-def _wheel(path: Path, sources: dict[str, str]) -> Path:
-    with zipfile.ZipFile(path, "w") as archive:
-        for name, text in sources.items():
-            archive.writestr(name, text)
-    return path
-
-
-def test_fake_wheel_lookup_rules_and_reported_problems(tmp_path):
-    s = VllmSymbol
-    expected = {
-        s("vllm", "__version__", "attribute", "x"): "ok",
-        s("vllm", "Registry", "attribute", "x"): "ok",  # lazy MODULE_ATTRS -> re-export -> an instance
-        s("vllm", "Registry.models", "attribute", "x"): "ok",  # a field of the instance's class
-        s("vllm", "OnlyForTypeCheckers", "class", "x"): "missing",  # imported only under TYPE_CHECKING
-        s("vllm.layers", "Head.register_oot", "method", "x"): "ok",  # inherited
-        s("vllm.layers", "Head.scale", "attribute", "x"): "ok",  # self.scale = ...
-        s("vllm.layers", "Head.b", "attribute", "x"): "ok",  # self.a, self.b = ...
-        s("vllm.layers", "Head.forward", "method", "x", params=("self", "lm_head", "hidden_states")): "ok",
-        s(
-            "vllm.layers", "Head.forward", "method", "x", params=("self", "lm_head", "hidden_states", "embedding_bias")
-        ): "changed",
-        s("vllm.layers", "Head.num_reqs", "attribute", "x"): "ok",  # a property reads as an attribute
-        s("vllm.layers", "Head.num_reqs", "method", "x"): "changed",
-        s("vllm.layers", "Head.remove_request", "method", "x"): "missing",
-        s("vllm.layers", "Head", "function", "x"): "changed",
-        s("vllm.layers", "Sub", "class", "x", subclass_of="vllm.layers:Pluggable"): "ok",
-        s("vllm.layers", "Pluggable", "class", "x", subclass_of="vllm.layers:Head"): "changed",
-        s(
-            "vllm.models.registry",
-            "Entry",
-            "class",
-            "x",
-            params=("module_name", "class_name"),
-            decorator="dataclass(frozen=True)",
-        ): "ok",
-        s("vllm.models.registry", "_Registry", "class", "x", decorator="dataclass(frozen=True)"): "changed",
-        s("vllm.gone", "", "module", "x"): "missing",
-        s("vllm.models", "", "module", "x"): "ok",
-        s("vllm.models", "gather", "function", "x"): "ok",  # through `from .helpers import *`
-        s("vllm.models", "scatter", "function", "x"): "missing",
-    }
-    tree = SourceTree.from_wheel(_wheel(tmp_path / "vllm-9.9.9-py3-none-any.whl", FAKE_SOURCES))
-    results = check_symbols(tree, tuple(expected))
-    assert {(r.symbol, r.status) for r in results} == set(expected.items())
-    assert tree.version() == "9.9.9"
-
-
-def _installed_sources_without(tmp_path: Path, old: str, new: str) -> Path:
-    """A wheel holding the installed vLLM files the checker reads, with one edit."""
-    tree = SourceTree.installed()
-    check_symbols(tree)
-    site = Path(tree.origin).parent
-    sources = {name: (site / name).read_text() for name in sorted(tree.files_read)}
-    path = "vllm/v1/worker/gpu_input_batch.py"
-    assert sources[path].count(old) == 1
-    sources[path] = sources[path].replace(old, new)
-    return _wheel(tmp_path / "vllm-0.0.1-py3-none-any.whl", sources)
-
-
-@pytest.mark.slow
-def test_command_reports_a_missing_method_and_exits_1(tmp_path):
-    wheel = _installed_sources_without(tmp_path, "def remove_request(", "def drop_request(")
-    proc = subprocess.run(
-        [sys.executable, "-m", "my_pkg.devtools.compat", "--wheel", str(wheel)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"{len(ENGINE_SYMBOLS) - 1} of {len(ENGINE_SYMBOLS)} engine symbols found" in proc.stdout
-    assert "missing: vllm.v1.worker.gpu_input_batch.InputBatch.remove_request (method" in proc.stdout
-
-
-@pytest.mark.slow
-def test_a_changed_signature_is_reported(tmp_path, capsys):
-    wheel = _installed_sources_without(
-        tmp_path,
-        "def add_request(\n        self,\n        request:",
-        "def add_request(\n        self,\n        req_index: int,\n        request:",
-    )
-    assert main(["--wheel", str(wheel)]) == 1
-    out = capsys.readouterr().out
-    assert "changed: vllm.v1.worker.gpu_input_batch.InputBatch.add_request" in out
-    assert "the engine passes (self, request)" in out
-
-
-def test_a_cached_wheel_is_reused_without_downloading(tmp_path, capsys):
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    cached = _wheel(cache / "vllm-9.9.9-py3-none-any.whl", FAKE_SOURCES)
-    assert fetch_wheel("9.9.9", cache) == cached
-    assert main(["--vllm-version", "9.9.9", "--cache-dir", str(cache)]) == 1  # the fake lacks the engine's symbols
-    out = capsys.readouterr().out
-    assert "downloading" not in out and f"vLLM 9.9.9 from {cached}" in out
-
-
-def test_unreadable_sources_exit_2_with_a_message(tmp_path, capsys):
-    not_a_wheel = tmp_path / "vllm-1.0.0-py3-none-any.whl"
-    not_a_wheel.write_text("not a zip")
-    assert main(["--wheel", str(not_a_wheel)]) == 2
-    assert "cannot open" in capsys.readouterr().err
-    empty = _wheel(tmp_path / "empty.whl", {"other/__init__.py": ""})
-    assert main(["--wheel", str(empty)]) == 2
-    assert "holds no vllm package" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("argv", [["--wheel", "a.whl", "--installed"], ["--vllm-version", "0.33.0", "--installed"]])
-def test_sources_are_chosen_once(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    assert "not allowed with argument" in capsys.readouterr().err
