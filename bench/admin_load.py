@@ -260,6 +260,11 @@ def _binding() -> str:
     )
 
 
+def section_name(hz: float) -> str:
+    """`admin` at the default 10 Hz, `admin-<hz>hz` at another polling rate."""
+    return "admin" if hz == 10.0 else f"admin-{hz:g}hz"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hz", type=float, default=10.0, help="admin requests per second")
@@ -269,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=2, help="k-means iterations of the conversion")
     ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="checkpoint cache and server logs")
     ap.add_argument("--quick", action="store_true", help="short phases (smoke test)")
-    ap.add_argument("--write-docs", action="store_true", help="write the admin section of docs/benchmarks.md")
+    ap.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="write the admin section of docs/benchmarks.md (admin-<hz>hz at another --hz)",
+    )
     args = ap.parse_args(argv)
     if args.hz <= 0 or args.clients < 1:
         ap.error("--hz must be > 0 and --clients >= 1")
@@ -311,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(md)
     if args.write_docs:
-        print(f"wrote the admin section of {write_section('admin', md)}")
+        print(f"wrote {write_section(section_name(args.hz), md)}")
     polled = phases[1].poll
     errors = sum(p.load.errors for p in phases) + (sum(polled.errors.values()) if polled else 0)
     return 1 if errors else 0

@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench._report import (
+    EXPERIMENTS_MD,
     add_head_shape_options,
     command_line,
     fitted_tail_factors,
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         name = "tp-served-step" + ("" if args.dtype == "float32" else f"-{args.dtype}")
         name += "-untimed" if args.untimed else ""
-        print(f"wrote {write_section(name, markdown)}")
+        print(f"wrote {write_section(name, markdown, EXPERIMENTS_MD if args.untimed else None)}")
     return 0
 
 

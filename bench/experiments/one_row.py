@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from bench._report import (
+    EXPERIMENTS_MD,
     command_line,
     dense_head,
     fitted_tail_factors,
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = to_markdown(shapes, args.rounds, torch.get_num_threads(), args.cold_mb)
     print(markdown)
     if not args.no_write:
-        print(f"wrote {write_section('one-row', markdown)}")
+        print(f"wrote {write_section('one-row', markdown, EXPERIMENTS_MD)}")
     return 0
 
 

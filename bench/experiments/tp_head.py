@@ -44,7 +44,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from bench._report import add_head_shape_options, command_line, free_port, int_list, machine_description, write_section
+from bench._report import (
+    EXPERIMENTS_MD,
+    add_head_shape_options,
+    command_line,
+    free_port,
+    int_list,
+    machine_description,
+    write_section,
+)
 from my_pkg.flashhead import FlashHead, default_n_probes
 from my_pkg.flashhead.clustering import random_balanced_assignment
 from my_pkg.flashhead.probes import ShardStage1, merge_probes
@@ -358,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if not args.no_write:
         name = SECTION if (args.gather, args.clock) == ("vllm", "wall") else f"{SECTION}-{args.gather}-{args.clock}"
-        path = write_section(name, md)
+        path = write_section(name, md, EXPERIMENTS_MD)
         print(f"wrote the {name} section of {path}")
     return 0
 

@@ -39,7 +39,7 @@ REASON_CODES: Final[dict[str, str]] = {
     "warm_up_failed": "the head failed its warm-up step",
     "tensor_parallel_rank": "another tensor-parallel rank cannot serve FlashHead (agreed when the model loads)",
     "pipeline_parallel": "pipeline parallel size > 1",
-    "speculative_decoding": "no longer reported: under speculative decoding, `spec` gives each part's own code",
+    "speculative_decoding": "not reported (`spec` gives each part of speculative decoding its own code)",
     "lora": "LoRA is on (adapters change the logits)",
     "head_dtype": "`head_dtype` differs from the model's dtype",
     "runner_hook_failed": "vLLM's model runner could not be hooked (a vLLM internal moved)",

@@ -3,7 +3,7 @@
 A cluster's members are scattered over the head (token ids in no particular order), so stage 2 reads
 ``P * cap`` rows from as many places; on CPU that took 2.3x-2.5x as long as reading them cluster by cluster
 from consecutive rows (one decode row, one thread: 6.0 against 2.6 ms at 262,144 x 640 with 512 probes, 5.3
-against 2.2 ms at 128,256 x 2,048 with 251; ``python -m bench.experiments.cluster_rows``, docs/benchmarks.md).
+against 2.2 ms at 128,256 x 2,048 with 251; ``python -m bench.experiments.cluster_rows``, docs/research/experiments.md).
 :class:`ClusterRows` holds the head's ``V`` token rows sorted by cluster (each token once, padding rows
 left out) and the cluster map in that copy's row numbers, so the kernels score a probed cluster from
 consecutive rows and compute every dot product from the same values as over the head itself: the logits

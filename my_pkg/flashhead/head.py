@@ -82,7 +82,7 @@ def default_sampled_n_probes(n_probes: int, num_clusters: int, sampled_rank: int
     when greedy rows probe every cluster (every row then gets the dense logits), the greedy rows'
     ``n_probes`` (at most ``C``).  On the trained fixture the estimate's best tokens, scored exactly, gave the
     TV on shifted text of as many exact tokens split between probed clusters and rescored ones (a little
-    lower) at fewer rows scored (docs/flashhead.md, "Sampled rows on shifted text")."""
+    lower) at fewer rows scored (docs/research/sampling.md, "Sampled rows on shifted text")."""
     probes = max(1, min(num_clusters, n_probes))
     return 0 if sampled_rank and probes < num_clusters else probes
 
@@ -100,7 +100,7 @@ def default_sampled_rescore(vocab_size: int, *, fitted: bool = True) -> int:
     ``ceil(V / 32)`` (4,008 for a 128k vocabulary), or ``ceil(V / 16)`` when the estimate is the weight-only
     one (not ``fitted`` to calibration states), which ranks the tokens worse.  On the trained fixture both
     met TV <= 0.01 at T=0.7/top_p=0.9 and <= 0.02 at T=1 on shifted text without any probed cluster, where
-    the weight-only estimate with ``V / 32`` missed T=1 (docs/flashhead.md, "Sampled rows on shifted text")."""
+    the weight-only estimate with ``V / 32`` missed T=1 (docs/research/sampling.md, "Sampled rows on shifted text")."""
     return math.ceil(vocab_size / (32 if fitted else 16))
 
 
@@ -117,8 +117,8 @@ def default_sampled_rank(vocab_size: int, hidden_size: int, *, fitted_rank: int 
     :func:`default_sampled_rescore` exact tokens stay within :data:`SAMPLED_ROW_BUDGET` of the ``V`` rows:
     never at 2,048-wide heads (64 of at most 239 at 128,256 x 2,048), 29 instead of 32 on the trained fixture's
     8,192 x 256.  The weight-only estimate (no factors) keeps ``ceil(H / 8)``: it ranks the tokens worse, and on
-    the fixture no rank within the budget met the TV targets with it (docs/flashhead.md, "Sampled rows on
-    shifted text")."""
+    the fixture no rank within the budget met the TV targets with it (docs/research/sampling.md, "Sampled rows
+    on shifted text")."""
     rank = default_tail_rank(hidden_size)
     spare = SAMPLED_ROW_BUDGET * vocab_size - default_sampled_rescore(vocab_size)
     within = max(1, min(rank, math.floor(spare * hidden_size / (hidden_size + vocab_size))))

@@ -4,14 +4,14 @@ Stage 1 multiplies a decode step's few hidden rows by the ``[C, H]`` centroids, 
 multiplies its rank-``r`` projection by the ``[V, r]`` table of :class:`~my_pkg.flashhead.tail_estimate.TailTables`
 (``F.linear`` both). At one or two rows that streams the whole matrix once per step, and on CPU in float32 torch
 streamed it faster when the matrix is stored hidden-major (the transposed view of a contiguous ``[H, C]`` or
-``[r, V]``): 0.52–0.90 of the row-major time for the centroids at one row on the 2-core CPU of ``docs/benchmarks.md``
+``[r, V]``): 0.52–0.90 of the row-major time for the centroids at one row on a 2-core CPU
 (8,016 x 2,048 and 16,384 x 640, one and two threads), 0.50–0.64 for the estimate's table (128,256 x 64 and 262,144
 x 64, the cache flushed between calls as a model's layers flush it while serving), and within 0.88–1.17 of it from 8
 rows on for the centroids, 0.51–0.56 for the table (at two rows the table was 1.02–1.11 of row-major). ``F.linear``
 takes either layout; only the stored one changes, not the values. bfloat16 and the GPU keep them row-major (the
 CPU's bfloat16 kernel was faster row-major), and one bfloat16 row on CPU is multiplied by ``torch.mv``
 (:func:`linear`). ``python -m bench.experiments.centroid_layout`` and ``python -m bench.experiments.one_row`` measure
-both on the machine at hand.
+both on the machine at hand (figures and machines: ``docs/research/experiments.md``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ the stage-1 vectors, so it composes with any stage 1.  Measured on a trained LM 
 stage-1 score as each cluster's logit, with or without a per-token correction, the cluster mean row
 plus a low-rank correction, and estimating only the members of the clusters next to the probed ones;
 the data-aware fit halves the total-variation distance of the weight-only one at the same rank on
-text the calibration never saw (docs/flashhead.md, "Sampling fidelity").
+text the calibration never saw (docs/research/sampling.md).
 """
 
 from __future__ import annotations

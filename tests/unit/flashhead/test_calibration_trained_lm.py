@@ -106,7 +106,7 @@ def test_trained_lm_default_build_sampled_rows_on_shifted_text(trained):
     (mean / p90 / max TV in vLLM's sampler semantics, as ``eval --json`` reports them): the issue's targets
     TV <= 0.01 at T=0.7/top_p=0.9 and <= 0.02 at T=1 hold with the tail estimate the build fits to its
     calibration states (the model's own samples); the weight-only estimate of the same rank is worse at T=1
-    on both sources, even with its default of twice the exact tokens (docs/flashhead.md)."""
+    on both sources, even with its default of twice the exact tokens (docs/research/sampling.md)."""
     from my_pkg.flashhead.fidelity import serving_fidelity
     from my_pkg.flashhead.tail_estimate import default_tail_rank, fit_tail_factors
 
