@@ -72,7 +72,7 @@ def load_hidden_states(path: str | Path) -> torch.Tensor:
         return f.get_tensor(key).float()
 
 
-def _time_ms(fn, repeats: int) -> float:
+def _time_ms(fn: Callable[[], object], repeats: int) -> float:
     fn()
     ts = []
     for _ in range(repeats):
