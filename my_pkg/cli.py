@@ -551,13 +551,13 @@ def _eval(args) -> int:
     hidden = hidden[: args.samples].to(device)
     # Serving's settings (config.json, then the environment): the eval measures what a server would do.
     settings = default_settings(config, int(cent.shape[0]))
-    head = FlashHead(
+    head = FlashHead.from_settings(
         weight.to(device),
         cent,
         assign,
         vocab_size=v,
         tail_factors=load_tail_factors(args.model_dir, config),
-        **settings.head_options(int(weight.shape[1])),
+        settings=settings,
     )
     if args.probes is not None:
         probes = sorted({min(p, head.num_clusters) for p in args.probes})

@@ -36,7 +36,8 @@ from statistics import NormalDist
 import torch
 from tqdm.auto import tqdm
 
-from .head import build_members, rows_scored
+from .cluster_rows import build_members
+from .spec import rows_scored
 
 __all__ = [
     "ClusterTargets",

@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from .head import FlashHead, rows_scored
+from .head import FlashHead
+from .spec import rows_scored
 
 __all__ = [
     "EvalRow",

@@ -59,9 +59,12 @@ from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.spec import effective as effective_spec
 from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer, RecentSteps
 from my_pkg.engine.flashhead.timing import StepWays
+from my_pkg.flashhead.head import FlashHead
 from my_pkg.flashhead.layout import hidden_major
+from my_pkg.flashhead.masked import masked_logits
 from my_pkg.flashhead.probes import ShardStage1, merge_probes
 from my_pkg.flashhead.settings import default_settings
+from my_pkg.flashhead.spec import HeadSpec, resolve_sampled_n_probes
 from my_pkg.flashhead.staging import index_tensor
 from my_pkg.flashhead.step_costs import StepCosts, measure_step_costs
 from my_pkg.flashhead.tail_estimate import TailFactors
@@ -217,8 +220,6 @@ class FlashHeadController:
         """
         if self.head is not None or not self.available:
             return
-        from my_pkg.flashhead.head import FlashHead
-
         assert self._centroids is not None and self._assignments is not None
         start, end = vocab_range if vocab_range is not None else (0, self.vocab_size)
         try:
@@ -232,14 +233,14 @@ class FlashHeadController:
             centroids = hidden_major(self._centroids.to(device=weight.device, dtype=weight.dtype))
             if shard is not None:  # first, so that this rank still scores its share if the head fails below
                 self.stage1 = ShardStage1(centroids, *shard)
-            self.head = FlashHead(
+            self.head = FlashHead.from_settings(
                 weight,
                 centroids,
                 self._assignments[start:end].to(device=weight.device),
+                settings=self.settings,
                 vocab_size=end - start,
                 allow_empty_clusters=vocab_range is not None,
                 tail_factors=self._tail_factors,
-                **self.settings.head_options(int(weight.shape[1])),
             )
             self.vocab_range = vocab_range
             self._pins = PinnedRows(self.pinned_ids, (start, end))
@@ -337,7 +338,8 @@ class FlashHeadController:
         pinned = pins.get((), head.weight) if pins is not None else None
 
         def step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
-            return head.masked_logits(
+            return masked_logits(
+                head,
                 hidden,
                 dense(hidden),
                 sampled=sampled if self.settings.probe_sampling else None,
@@ -511,7 +513,8 @@ class FlashHeadController:
             # What FlashHead's kernels would give every FlashHead row, made from the dense product of the step.
             logits = dense(hidden)
             part = logits if flash_index is None else logits.index_select(0, flash_index)
-            masked = self.head.masked_logits(
+            masked = masked_logits(
+                self.head,
                 flash_hidden,
                 part,
                 sampled=rows_sampled,
@@ -593,6 +596,7 @@ class FlashHeadController:
         self._fidelity.collect()
         head = self.head
         active = head is not None and self.settings.enabled
+        sampled_n_probes, sampled_rank = self._sampled_status()
         code: ReasonCode | None
         if active:
             code, reason = None, None
@@ -614,8 +618,8 @@ class FlashHeadController:
             n_probes=self.settings.n_probes,
             dense_batch_threshold=self.settings.dense_batch_threshold,
             probe_sampling=self.settings.probe_sampling,
-            sampled_n_probes=self._sampled_n_probes(),
-            sampled_rank=self._status_sampled_rank(),
+            sampled_n_probes=sampled_n_probes,
+            sampled_rank=sampled_rank,
             sampled_rescore=head.sampled_rescore if head is not None and self.settings.probe_sampling else None,
             sampled_estimate=sampled_estimate(head, self.settings.probe_sampling),
             pinned_token_ids=list(self.pinned_ids),
@@ -637,36 +641,32 @@ class FlashHeadController:
             return self.spec
         return self.spec.model_copy(update={"draft_n_probes": self.draft.settings.n_probes})
 
-    def _sampled_rank(self, hidden_size: int, vocab_size: int) -> int:
-        """The configured rank, at most the hidden size (the head refuses more), else the head's default for
-        `vocab_size` tokens (this rank's shard)."""
-        from my_pkg.flashhead.head import default_sampled_rank
-
-        rank = self.settings.sampled_rank
-        if rank is not None:
-            return min(rank, hidden_size)
-        fitted_rank = self._tail_factors.rank if self._tail_factors is not None else 0
-        return default_sampled_rank(vocab_size, hidden_size, fitted_rank=fitted_rank)
-
-    def _status_sampled_rank(self) -> int | None:
-        if self.head is not None:
-            return self.head.sampled_rank
-        if self._centroids is not None:
-            return self._sampled_rank(int(self._centroids.shape[1]), self.vocab_size)
-        return self.settings.sampled_rank
-
-    def _sampled_n_probes(self) -> int | None:
-        """Clusters a sampled row probes now (the head's rule when not set; the greedy rows' without probe sampling)."""
-        if self.num_clusters is None:
-            return self.settings.sampled_n_probes
-        if not self.settings.probe_sampling:
-            return min(self.settings.n_probes, self.num_clusters)
-        if self.head is not None:
-            return self.head.sampled_n_probes
-        from my_pkg.flashhead.head import resolve_sampled_n_probes
-
-        rank = self._status_sampled_rank() or 0
-        return resolve_sampled_n_probes(self.settings.sampled_n_probes, self.settings.n_probes, self.num_clusters, rank)
+    def _sampled_status(self) -> tuple[int | None, int | None]:
+        """`(sampled_n_probes, sampled_rank)` as served: the head's once built, else its spec
+        (`HeadSpec.resolve` over the whole vocabulary) while the assets are held, else the settings'."""
+        settings, clusters, head = self.settings, self.num_clusters, self.head
+        if head is not None:
+            rank = head.sampled_rank
+        elif self._centroids is not None:
+            fitted_rank = self._tail_factors.rank if self._tail_factors is not None else 0
+            hidden_size = int(self._centroids.shape[1])
+            spec = HeadSpec.resolve(
+                settings,
+                num_clusters=clusters,
+                vocab_size=self.vocab_size,
+                hidden_size=hidden_size,
+                fitted_rank=fitted_rank,
+            )
+            return spec.sampled_n_probes, spec.sampled_rank
+        else:
+            rank = settings.sampled_rank
+        if clusters is None:
+            return settings.sampled_n_probes, rank
+        if not settings.probe_sampling:
+            return min(settings.n_probes, clusters), rank
+        if head is not None:
+            return head.sampled_n_probes, rank
+        return resolve_sampled_n_probes(settings.sampled_n_probes, settings.n_probes, clusters, rank or 0), rank
 
     def validate(self, update: FlashHeadUpdate) -> list[str]:
         """What the served model refuses in `update` (the contract has checked its fields and types):
