@@ -118,9 +118,9 @@ class FlashHead:
         elif cluster_rows and weight.device.type != "cpu":
             raise ValueError("cluster_rows is for a CPU head (its check of the copy reads a comparison back)")
         assigned = assignments.detach().to(weight.device, torch.int64)
-        self.rows = CandidateRows(weight, assigned, self.members, backend=self.backend, copy=cluster_rows)
+        self.candidate_rows = CandidateRows(weight, assigned, self.members, backend=self.backend, copy=cluster_rows)
         #: The candidates' rows in cluster order (None: scored from ``weight`` itself).
-        self.cluster_rows: ClusterRows | None = self.rows.cluster_rows
+        self.cluster_rows: ClusterRows | None = self.candidate_rows.cluster_rows
         self._n_probes = 1
         self.n_probes = n_probes
         self._sampled_n_probes: int | None = None
@@ -218,7 +218,7 @@ class FlashHead:
         return (
             self.centroids.numel() * self.centroids.element_size()
             + self.members.numel() * self.members.element_size()
-            + self.rows.nbytes
+            + self.candidate_rows.nbytes
             + (self.estimate.built.nbytes if self.estimate.built is not None else 0)
         )
 
@@ -242,8 +242,8 @@ class FlashHead:
         hidden = self.check_hidden(hidden)
         if probes is None:
             probes = self.select_probes(hidden, **select_kw)
-        self.rows.refresh()
-        return self.rows.candidate_logits(hidden, probes)
+        self.candidate_rows.refresh()
+        return self.candidate_rows.candidate_logits(hidden, probes)
 
     def step_logits(
         self,
@@ -278,7 +278,7 @@ class FlashHead:
         first sampled row, which builds the estimate's tables once.
         """
         hidden = self.check_hidden(hidden)
-        self.rows.refresh()
+        self.candidate_rows.refresh()
         num_rows = hidden.shape[0]
         post = postprocess if postprocess is not None else _identity
         mask = host_mask(sampled, num_rows)

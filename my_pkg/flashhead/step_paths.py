@@ -76,11 +76,11 @@ def _rows_logits(
         if probes.shape[1] == 0:  # no candidates: the estimate chose every exact token
             if rescored is None:
                 return post(raw).to(head.weight.dtype)
-            ids, exact = rescored, head.rows.token_logits(hidden, rescored)
+            ids, exact = rescored, head.candidate_rows.token_logits(hidden, rescored)
         else:
-            ids, exact = head.rows.candidate_logits(hidden, probes, extra_ids=rescored)
+            ids, exact = head.candidate_rows.candidate_logits(hidden, probes, extra_ids=rescored)
         return post(raw).to(exact.dtype).scatter_(1, ids, post(exact))
-    ids, exact = head.rows.candidate_logits(hidden, probes)
+    ids, exact = head.candidate_rows.candidate_logits(hidden, probes)
     exact = post(exact)
     out = torch.full((hidden.shape[0], head.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device)
     if sampled is not None and head.estimate.rank:
@@ -112,7 +112,7 @@ def _mixed_logits(
     ids = torch.empty((hidden.shape[0], width), dtype=torch.int64, device=hidden.device)
     for index, part in ((greedy, candidates), (rows_sampled, best)):
         ids.index_copy_(0, index, torch.cat([part, part[:, -1:].expand(-1, width - part.shape[1])], 1))
-    exact = post(head.rows.token_logits(hidden, ids, has_candidates=True))
+    exact = post(head.candidate_rows.token_logits(hidden, ids, has_candidates=True))
     out = torch.full((hidden.shape[0], head.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device)
     out.index_copy_(0, rows_sampled, post(raw).to(exact.dtype))
     return out.scatter_(1, ids, exact)
@@ -127,5 +127,5 @@ def _estimates(
     best = head.estimate.best(raw, ids)
     out = post(raw).to(dtype)
     if best is not None:
-        out.scatter_(1, best, post(head.rows.token_logits(hidden, best)).to(dtype))
+        out.scatter_(1, best, post(head.candidate_rows.token_logits(hidden, best)).to(dtype))
     return out

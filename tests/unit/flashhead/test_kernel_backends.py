@@ -61,7 +61,7 @@ def check_case(backend: str, shape: tuple[int, ...], dtype: torch.dtype) -> None
     # A sampled row's rescored tail tokens (``extra_ids``) come after the candidates, scored the same way.
     extra = torch.stack([torch.randperm(vocab, generator=torch.Generator().manual_seed(r))[:3] for r in range(batch)])
     both_ids, both = head._kernels().candidate_logits(
-        hidden, head.weight, head.members, chosen, token_cluster=head.rows.token_cluster, extra_ids=extra
+        hidden, head.weight, head.members, chosen, token_cluster=head.candidate_rows.token_cluster, extra_ids=extra
     )
     assert torch.equal(both_ids, torch.cat([ids, extra], dim=1)) and both.dtype == dtype
     want_extra = torch.einsum("bnh,bh->bn", head.weight[extra].double(), hidden.double())
