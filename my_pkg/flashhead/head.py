@@ -23,6 +23,12 @@ A batch of several rows is scored cluster by cluster on CPU (each probed head ro
 every row that probes it, :mod:`~my_pkg.flashhead.kernels.torch_ref`), with the same logits bit for
 bit as row by row: a request's logits do not depend on the batch it is in, and a large batch costs
 about the head's union of candidates instead of ``B`` times each row's.
+
+Its parts live beside it: the defaults of its parameters (:mod:`~my_pkg.flashhead.spec`), the cluster map
+(:mod:`~my_pkg.flashhead.cluster_rows`), stage 2's reads (:mod:`~my_pkg.flashhead.candidates`), the sampled
+rows' estimate (:mod:`~my_pkg.flashhead.sampled`), the ways through a step's batch
+(:mod:`~my_pkg.flashhead.step_paths`) and the same answer made from the dense logits
+(:mod:`~my_pkg.flashhead.masked`).
 """
 
 from __future__ import annotations
