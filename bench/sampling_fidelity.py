@@ -150,7 +150,7 @@ def shifted(fx: TrainedFixture, rows: int, extra: list[tuple[str, int, int, bool
     greedy rows' ``n_probes``)."""
     from my_pkg.flashhead.calibration import calibrate_stage1
     from my_pkg.flashhead.clustering import balanced_kmeans
-    from my_pkg.flashhead.head import default_sampled_rescore
+    from my_pkg.flashhead.spec import default_sampled_rescore
     from my_pkg.flashhead.tail_estimate import default_tail_rank, fit_tail_factors
 
     cluster_size = 16

@@ -37,7 +37,7 @@ from bench.head import sampled_mask
 from my_pkg.engine.flashhead.controller import FlashHeadController
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.flashhead.clustering import random_balanced_assignment
-from my_pkg.flashhead.head import default_n_probes
+from my_pkg.flashhead.spec import default_n_probes
 
 KINDS = ("greedy", "sampled", "mixed")
 BATCHES = [1, 2, 4, 8, 16, 32, 64]

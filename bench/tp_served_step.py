@@ -77,7 +77,7 @@ def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
     from my_pkg.engine.flashhead import FlashHeadController, StepRows
     from my_pkg.engine.patches import logits_processor
     from my_pkg.flashhead.clustering import random_balanced_assignment
-    from my_pkg.flashhead.head import default_n_probes
+    from my_pkg.flashhead.spec import default_n_probes
 
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = f"bench-tp-served-step-{port}"  # as vLLM's CPU worker sets it

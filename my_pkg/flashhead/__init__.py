@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .assets import FlashHeadAssetError, load_assets, load_lm_head
 from .clustering import balanced_kmeans
-from .head import FlashHead, default_n_probes, rows_scored
+from .head import FlashHead
+from .spec import default_n_probes, rows_scored
 
 __all__ = [
     "FlashHead",

@@ -35,7 +35,7 @@ from .build_report import BuildOptions, BuildProgress, BuildReport, CalibrationF
 from .calibration import calibrate_stage1
 from .calibration_states import CalibrationStates, WeightOnly, calibration_states, validation_states
 from .clustering import ClusteringResult, balanced_kmeans, cluster_capacities
-from .head import default_n_probes
+from .spec import default_n_probes
 from .tail_estimate import TailFactors, default_tail_rank, fit_tail_factors
 
 __all__ = ["build_assets"]

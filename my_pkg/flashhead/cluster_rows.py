@@ -1,4 +1,5 @@
-"""A cluster-major copy of the head's rows, so that stage 2 on CPU reads each probed cluster in one run.
+"""The cluster map (:func:`build_members`) and a cluster-major copy of the head's rows, so that stage 2 on CPU
+reads each probed cluster in one run.
 
 A cluster's members are scattered over the head (token ids in no particular order), so stage 2 reads
 ``P * cap`` rows from as many places; on CPU that took 2.3x-2.5x as long as reading them cluster by cluster
@@ -26,7 +27,7 @@ import weakref
 
 import torch
 
-__all__ = ["ClusterRows", "cluster_rows_for"]
+__all__ = ["ClusterRows", "build_members", "cluster_rows_for"]
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -38,13 +39,44 @@ _CHECK_STRIDE = 40_507
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def build_members(
+    assignments: torch.Tensor, num_clusters: int | None = None, *, allow_empty: bool = False
+) -> torch.Tensor:
+    """Cluster map ``[C, cap]`` int64 of token ids from per-token cluster ids.
+
+    ``cap`` is the largest cluster size.  Shorter clusters are padded by repeating their
+    first member, so scoring the padded slots only duplicates an exact logit.  Raises
+    ``ValueError`` for ids out of range, and for an empty cluster unless ``allow_empty``
+    (a vocabulary shard holds only some of each cluster's members): an empty cluster's
+    slots then hold token 0, whose logit is exact like any other candidate's.
+    """
+    a = assignments.detach().to("cpu", torch.int64).flatten()
+    if a.numel() == 0:
+        raise ValueError("assignments is empty")
+    c = int(a.max()) + 1 if num_clusters is None else num_clusters
+    if int(a.min()) < 0 or int(a.max()) >= c:
+        raise ValueError(f"cluster ids must lie in [0, {c})")
+    counts = torch.bincount(a, minlength=c)
+    empty = counts == 0
+    if bool(empty.any()) and not allow_empty:
+        raise ValueError("every cluster needs at least one member")
+    cap = int(counts.max())
+    order = torch.argsort(a, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(cap).view(1, cap)
+    pos = starts.view(-1, 1) + torch.minimum(slot, (counts - 1).clamp(min=0).view(-1, 1))
+    pos = torch.where(slot < counts.view(-1, 1), pos, starts.view(-1, 1))
+    members = order[pos.clamp(max=a.numel() - 1)]
+    return members.masked_fill_(empty.view(-1, 1), 0)
+
+
 class ClusterRows:
     """The ``V`` token rows of ``weight`` in cluster order, and how the cluster map reads them.
 
     Args:
         weight: ``[V', H]`` head weight (``V <= V'``; rows from ``V`` on are in no cluster).
         assignments: ``[V]`` int64 cluster id of each token, on the weight's device.
-        members: ``[C, cap]`` the cluster map in token ids (:func:`~my_pkg.flashhead.head.build_members`).
+        members: ``[C, cap]`` the cluster map in token ids (:func:`build_members`).
 
     Attributes:
         rows: ``[V, H]`` the copy: row ``i`` is token ``order[i]``'s.

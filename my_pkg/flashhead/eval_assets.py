@@ -2,7 +2,7 @@
 ``my-pkg flashhead eval`` runs).
 
 1. Read the assets and the LM head, and build the head with serving's settings (config.json, then the
-   environment: :meth:`~.settings.FlashHeadSettings.head_options`), so the eval measures what a server would do.
+   environment: :meth:`~.head.FlashHead.from_settings`), so the eval measures what a server would do.
 2. Take at most ``samples`` hidden states: from a safetensors file, from the model run on a text, or synthetic.
 3. Measure the serving fidelity at the probe counts (:func:`~.fidelity.serving_fidelity`), with the model's
    stop and special ids pinned and its own final-logit soft-cap / scale.
@@ -134,13 +134,13 @@ def evaluate_assets(model_dir: str | Path, options: EvalOptions | None = None) -
         raise ValueError(f"hidden states must be [N, {weight.shape[1]}], got {tuple(hidden.shape)}")
     hidden = hidden[: options.samples].to(options.device)
     settings = default_settings(config, int(cent.shape[0]))
-    head = FlashHead(
+    head = FlashHead.from_settings(
         weight.to(options.device),
         cent,
         assign,
         vocab_size=v,
         tail_factors=load_tail_factors(model_dir, config),
-        **settings.head_options(int(weight.shape[1])),
+        settings=settings,
     )
     if options.probes is not None:
         probes = sorted({min(p, head.num_clusters) for p in options.probes})

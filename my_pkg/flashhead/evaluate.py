@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from .fidelity import reference_weight
-from .head import FlashHead, rows_scored
+from .head import FlashHead
+from .spec import rows_scored
 
 __all__ = [
     "EvalRow",

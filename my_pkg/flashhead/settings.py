@@ -1,7 +1,8 @@
 """FlashHead's serving settings and their defaults at start-up (environment, then config.json).
 
 The engine's controller starts from them in every worker, and `my-pkg flashhead eval` measures with
-them, so the eval sees what a server would do; neither half imports the other for it.
+them, so the eval sees what a server would do; neither half imports the other for it. What they give a
+head of given sizes is `my_pkg.flashhead.spec.HeadSpec.resolve`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from my_pkg import env
+
+from .spec import default_n_probes
 
 __all__ = [
     "FlashHeadSettings",
@@ -29,30 +32,16 @@ class FlashHeadSettings:
     # (`my_pkg.flashhead.step_costs`) and serves such steps dense.
     measure_step_costs: bool
     probe_sampling: bool  # sampled rows get estimated logits, the best-estimated tokens and sampled_n_probes exact
-    sampled_n_probes: int | None  # clusters a sampled row probes; None: default_sampled_n_probes
+    sampled_n_probes: int | None  # clusters a sampled row probes; None: spec.default_sampled_n_probes
     sampled_rank: int | None  # rank of the residual term of sampled rows' estimates; None: the head's default
     backend: str
     cluster_rows: bool | None  # the head's `cluster_rows`: None where it helps (a CPU head), False never
     fidelity_every: int  # check one FlashHead row in this many against the dense head; 0 = off
 
-    def head_options(self, hidden_size: int) -> dict[str, Any]:
-        """The `FlashHead` arguments these settings give a head of `hidden_size`, so that serving, the eval and the
-        benchmarks build the same head: a configured `sampled_rank` at most the hidden size (the head refuses more),
-        and None where the head resolves its own default (`default_sampled_rank`, `default_sampled_n_probes`)."""
-        return {
-            "n_probes": self.n_probes,
-            "backend": self.backend,
-            "cluster_rows": self.cluster_rows,
-            "sampled_n_probes": self.sampled_n_probes,
-            "sampled_rank": None if self.sampled_rank is None else min(self.sampled_rank, hidden_size),
-        }
-
 
 def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashHeadSettings:
     """Settings at start-up: environment overrides config.json, which overrides defaults."""
     configured_probes = config.get("n_probes")
-    from .head import default_n_probes  # the builder's default: one definition
-
     fallback_probes = default_n_probes(num_clusters) if num_clusters else 1
     n_probes = env.MY_PKG_FLASHHEAD_N_PROBES
     if n_probes is None:

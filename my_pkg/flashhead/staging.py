@@ -1,11 +1,11 @@
-"""Row indices from the host to the head's device without making the host wait."""
+"""Row indices and row masks between the host and the head's device, without making the host wait for it."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-__all__ = ["index_tensor"]
+__all__ = ["host_mask", "index_tensor"]
 
 
 def index_tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -21,3 +21,14 @@ def index_tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:
     staged = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
     staged.copy_(host)
     return staged.to(device, non_blocking=True)
+
+
+def host_mask(sampled: torch.Tensor | np.ndarray | None, num_rows: int) -> np.ndarray | None:
+    """``sampled`` as a numpy bool array of ``num_rows`` (a device tensor is copied to the host)."""
+    if sampled is None:
+        return None
+    mask = sampled.detach().cpu().numpy() if isinstance(sampled, torch.Tensor) else np.asarray(sampled)
+    mask = mask.astype(bool, copy=False).reshape(-1)
+    if mask.shape[0] != num_rows:
+        raise ValueError(f"sampled has {mask.shape[0]} entries for {num_rows} rows")
+    return mask

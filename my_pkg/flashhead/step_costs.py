@@ -20,7 +20,7 @@ step's cost from the measured points:
 
 :meth:`StepCosts.plan` picks the cheaper of two ways to serve a step's FlashHead rows, which give every row
 the same answer: FlashHead's own kernels (``flashhead``), or vLLM's dense product for the whole step with
-each FlashHead row masked to FlashHead's answer (``masked``, :meth:`FlashHead.masked_logits`: stage 1 and,
+each FlashHead row masked to FlashHead's answer (``masked``, :mod:`~my_pkg.flashhead.masked`: stage 1 and,
 for sampled rows, the estimate, then the dense head's values on the tokens FlashHead scores exactly).  Rows
 that need exact logits are served by the dense product on either way, and never move their neighbours.
 FlashHead's kernels keep a step unless the masked way is predicted at least 10 % cheaper: the choice only
@@ -67,7 +67,7 @@ class StepCosts:
     """Seconds of one step (the fastest of a few runs) at each of ``batches`` rows: the dense head, FlashHead
     with every row greedy, FlashHead with every row sampled (None when sampled rows are served as greedy
     ones), FlashHead with every other row sampled (``mixed_s``: NaN at one row, which cannot mix; None
-    when not timed), and the masked way (the dense product, then :meth:`FlashHead.masked_logits`) with every
+    when not timed), and the masked way (the dense product, then :mod:`~my_pkg.flashhead.masked`) with every
     row greedy and every row sampled (None when not timed: FlashHead's kernels serve every step)."""
 
     batches: tuple[int, ...]

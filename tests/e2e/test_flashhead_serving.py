@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from e2e_support import ADMIN_TOKEN, DEFAULT_PROBES, MODEL_SPEC, NUM_CLUSTERS, auth, client
 
-from my_pkg.flashhead.head import SAMPLED_ROW_BUDGET, default_sampled_rank
+from my_pkg.flashhead.spec import SAMPLED_ROW_BUDGET, default_sampled_rank
 from my_pkg.flashhead.tail_estimate import default_tail_rank
 
 pytestmark = pytest.mark.e2e

@@ -61,7 +61,7 @@ def default_draft_n_probes(config: dict[str, Any], num_clusters: int | None) -> 
     target's), else the builder's default; at most its clusters. `MY_PKG_FLASHHEAD_N_PROBES` sets the
     target's count only."""
     from my_pkg import env
-    from my_pkg.flashhead.head import default_n_probes
+    from my_pkg.flashhead.spec import default_n_probes
 
     configured = env.MY_PKG_FLASHHEAD_DRAFT_N_PROBES
     if configured is None:

@@ -1,7 +1,7 @@
 """What a worker reports about its FlashHead: the status reply's parts and the start-up timing's log lines.
 
-Plain values in (the head, its settings, the step costs), contract models out; the controller assembles
-them into its `FlashHeadState` (`FlashHeadController.status`).
+Plain values in (the head, its settings, the step costs; a controller read through the small `Reported`
+protocol), contract models out (`FlashHeadController.status`).
 """
 
 from __future__ import annotations
@@ -9,10 +9,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
-from my_pkg.contract import FlashHeadState, ReasonCode, SampledEstimate, ServedWay, StepCostsReport
+from my_pkg.contract import FlashHeadState, ReasonCode, SampledEstimate, ServedWay, SpecState, StepCostsReport
+from my_pkg.engine.flashhead.spec import effective as effective_spec
 from my_pkg.engine.flashhead.telemetry import Counters, RecentSteps
+from my_pkg.flashhead.settings import FlashHeadSettings
+from my_pkg.flashhead.spec import HeadSpec, resolve_sampled_n_probes
 from my_pkg.flashhead.step_costs import StepCosts
 
 __all__ = [
@@ -20,7 +23,11 @@ __all__ = [
     "NOT_BUILT_REASON",
     "NO_ASSETS_REASON",
     "log_step_costs",
+    "Reported",
     "sampled_estimate",
+    "settings_status",
+    "status",
+    "status_reason",
     "status_without_controller",
     "step_costs_report",
 ]
@@ -88,6 +95,109 @@ def sampled_estimate(head: Any, probe_sampling: bool) -> SampledEstimate | None:
     if not probe_sampling or head.sampled_rank == 0:
         return "off"
     return "fitted" if head.tail_fitted else "weight_only"
+
+
+class Reported(Protocol):
+    """What the status reports of a controller (`FlashHeadController`), read as plain attributes."""
+
+    settings: FlashHeadSettings
+    head: Any  # a `FlashHead` once built, else None
+    available: bool
+    unavailable_code: ReasonCode | None
+    unavailable_reason: str | None
+    num_clusters: int | None
+    cluster_size: int | None
+    vocab_size: int
+    pinned_ids: tuple[int, ...]
+    counters: Counters
+    recent: RecentSteps
+    spec: SpecState | None
+
+    @property
+    def draft(self) -> Reported | None: ...
+
+
+def status(
+    source: Reported,
+    *,
+    extra_memory_bytes: int | None,
+    step_costs: StepCostsReport | None,
+    head_spec: HeadSpec | None,
+) -> FlashHeadState:
+    """The status reply of `source`, its drafter's counters and probe count included; `head_spec`: the head's
+    parameters before it is built (None once built or without assets)."""
+    settings, draft = source.settings, source.draft
+    active = source.head is not None and settings.enabled
+    code, reason = status_reason(active, settings.enabled, source.unavailable_code, source.unavailable_reason)
+    spec = source.spec
+    if spec is not None and draft is not None:  # the drafter's probe count when FlashHead serves its head
+        spec = spec.model_copy(update={"draft_n_probes": draft.settings.n_probes})
+    return FlashHeadState(
+        available=source.available,
+        active=active,
+        reason=reason,
+        reason_code=code,
+        num_clusters=source.num_clusters,
+        cluster_size=source.cluster_size,
+        vocab_size=source.vocab_size,
+        pinned_token_ids=list(source.pinned_ids),
+        extra_memory_bytes=extra_memory_bytes,
+        step_costs=step_costs,
+        counters=source.counters.snapshot(draft.counters if draft is not None else None),
+        recent=source.recent.report(),
+        spec=effective_spec(spec, active),
+        **settings_status(settings, source.head, source.num_clusters, head_spec),
+    )
+
+
+def status_reason(
+    active: bool, enabled: bool, unavailable_code: ReasonCode | None, unavailable_reason: str | None
+) -> tuple[ReasonCode | None, str | None]:
+    """`(reason_code, reason)` of the status: none while active, else why FlashHead cannot serve
+    (`unavailable_code`), is switched off, or is not built yet."""
+    if active:
+        return None, None
+    if unavailable_code is not None:
+        return unavailable_code, unavailable_reason
+    if not enabled:
+        return "disabled", DISABLED_REASON
+    return "not_built", NOT_BUILT_REASON
+
+
+def settings_status(
+    settings: FlashHeadSettings, head: Any, num_clusters: int | None, spec: HeadSpec | None
+) -> dict[str, Any]:
+    """The status fields of the settings and of the head serving them: the head's values once built (`head`),
+    else its `spec` (`HeadSpec.resolve`) while the assets are held, else the settings' own."""
+    sampled_n_probes, sampled_rank = _sampled(settings, head, num_clusters, spec)
+    return {
+        "enabled": settings.enabled,
+        "n_probes": settings.n_probes,
+        "dense_batch_threshold": settings.dense_batch_threshold,
+        "probe_sampling": settings.probe_sampling,
+        "sampled_n_probes": sampled_n_probes,
+        "sampled_rank": sampled_rank,
+        "sampled_rescore": head.sampled_rescore if head is not None and settings.probe_sampling else None,
+        "sampled_estimate": sampled_estimate(head, settings.probe_sampling),
+        "fidelity_every": settings.fidelity_every,
+        "backend": head.backend if head is not None else None,
+    }
+
+
+def _sampled(
+    settings: FlashHeadSettings, head: Any, clusters: int | None, spec: HeadSpec | None
+) -> tuple[int | None, int | None]:
+    """`(sampled_n_probes, sampled_rank)` as served (without probe sampling, the greedy rows' probe count)."""
+    if head is None and spec is not None:
+        return spec.sampled_n_probes, spec.sampled_rank
+    rank = head.sampled_rank if head is not None else settings.sampled_rank
+    if clusters is None:
+        return settings.sampled_n_probes, rank
+    if not settings.probe_sampling:
+        return min(settings.n_probes, clusters), rank
+    if head is not None:
+        return head.sampled_n_probes, rank
+    return resolve_sampled_n_probes(settings.sampled_n_probes, settings.n_probes, clusters, rank or 0), rank
 
 
 def status_without_controller(code: ReasonCode = "no_assets", reason: str = NO_ASSETS_REASON) -> FlashHeadState:

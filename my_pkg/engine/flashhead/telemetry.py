@@ -1,4 +1,4 @@
-"""What one worker's FlashHead reports: its counters, the head's timer and the live fidelity check.
+"""What one worker's FlashHead reports: its counters, failed steps, the head's timer and the live fidelity check.
 
 None of it makes the host wait for the device: the timer records CUDA events and the fidelity
 check keeps its sum on the device, both collected by `status()` once the device got there.
@@ -6,6 +6,7 @@ check keeps its sum on the device, both collected by `status()` once the device 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -18,7 +19,31 @@ import torch
 from my_pkg.contract import FlashHeadCounters, RecentRows
 from my_pkg.flashhead.staging import index_tensor
 
-__all__ = ["Counters", "FidelityCheck", "HeadTimer", "RecentSteps"]
+__all__ = ["Counters", "Fallbacks", "FidelityCheck", "HeadTimer", "RecentSteps"]
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+class Fallbacks:
+    """Steps that failed inside FlashHead and went dense: counted, and each kind of failure logged once."""
+
+    def __init__(self, counters: Counters) -> None:
+        self._counters = counters
+        self._warned: set[str] = set()
+
+    def record(self, exc: BaseException, num_rows: int) -> None:
+        self._counters.fallbacks += 1
+        self._counters.rows_dense["error"] += num_rows
+        kind = type(exc).__name__
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(
+                "my_pkg: FlashHead step failed, served dense instead (%s: %s); further %s failures are only counted",
+                kind,
+                exc,
+                kind,
+                exc_info=exc,
+            )
 
 
 class RecentSteps:

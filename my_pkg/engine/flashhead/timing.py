@@ -1,7 +1,7 @@
 """Which way serves a step's FlashHead rows, from the start-up timing corrected by the served steps' own times.
 
 Both ways give every row FlashHead's answer (FlashHead's kernels, or the dense product masked to it:
-`FlashHead.masked_logits`), so this choice only costs time, never changes a token. `StepWays`:
+`my_pkg.flashhead.masked`), so this choice only costs time, never changes a token. `StepWays`:
 
 1. keys each step by its bucket of rows (1, 2, 3-4, 5-8, ...) and kind (greedy, sampled or mixed rows);
 2. predicts each way's seconds from the served steps of that key (a running mean), else from the start-up

@@ -16,7 +16,7 @@ from statistics import NormalDist
 
 import torch
 
-from ..head import rows_scored
+from ..spec import rows_scored
 from .fit import ClusterTargets
 
 __all__ = [

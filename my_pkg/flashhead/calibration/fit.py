@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..head import build_members
+from ..cluster_rows import build_members
 
 __all__ = ["ClusterTargets", "CalibrationResult", "cluster_targets", "split_rows", "fit_stage1"]
 

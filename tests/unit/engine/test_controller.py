@@ -157,10 +157,10 @@ def test_status_is_the_contract_model_with_every_field_set(controller, weight):
 
 def test_extra_memory_covers_the_sampled_rows_tables_and_pins(weight):
     ctl = _pinned_controller(weight, [3, 7])
-    assert ctl.head is not None and ctl.head._tail is not None  # built by `prepare`, before any request
+    assert ctl.head is not None and ctl.head.estimate.built is not None  # built by `prepare`, before any request
     memory = ctl.status().extra_memory_bytes
     assert memory >= ctl.head.extra_memory_bytes + 2 * HIDDEN * weight.element_size()
-    assert memory > ctl.head.centroids.numel() * ctl.head.centroids.element_size() + ctl.head._tail.nbytes
+    assert memory > ctl.head.centroids.numel() * ctl.head.centroids.element_size() + ctl.head.estimate.built.nbytes
 
 
 def test_extra_memory_counts_the_linked_drafters_head_too(weight, controller):
@@ -529,7 +529,7 @@ def test_the_status_says_which_estimate_sampled_rows_get(weight, tmp_path):
 def test_the_served_rank_keeps_a_fitted_estimates_sampled_row_within_the_budget(weight):
     """The controller hands the head the rank `default_sampled_rank` gives its shard, and reports it before the
     head is built too: 3 of the fitted factors' 4 at this narrow head, the weight-only estimate's 4."""
-    from my_pkg.flashhead.head import default_sampled_rank
+    from my_pkg.flashhead.spec import default_sampled_rank
     from my_pkg.flashhead.tail_estimate import fit_tail_factors
 
     assignments = torch.arange(VOCAB) % CLUSTERS

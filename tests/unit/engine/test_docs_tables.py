@@ -4,12 +4,14 @@ from `my_pkg.contract`; these tests keep the two in step and print the table to 
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import sys
 from pathlib import Path
 from typing import get_args
 
 from my_pkg import contract
+from my_pkg.engine.flashhead import step
 
 ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "flashhead-serving.md"
@@ -84,6 +86,8 @@ def test_every_code_the_engine_writes_is_declared():
             reasons.update(re.findall(pattern, text))
         for pattern in spec_patterns:
             spec_codes.update(re.findall(pattern, text))
+    # A whole step's dense reasons, as the step's routing returns them.
+    reasons.update(re.findall(r'return "(\w+)"', inspect.getsource(step.all_dense_reason)))
     assert {"quantized_head", "runner_hook_failed", "logits_processor_taken", "assets_invalid"} <= codes
     assert {"error", "batch_threshold", "lora", "wrapped_head"} <= reasons
     assert codes <= set(contract.REASON_CODES), codes - set(contract.REASON_CODES)

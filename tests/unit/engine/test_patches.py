@@ -582,9 +582,9 @@ def test_the_head_and_its_tables_are_built_right_after_the_weights_load(processo
     assert controller.head is None and controller.status().reason_code == "not_built"
     runner.load_model()
     assert controller.head is not None and controller.head.weight is model.lm_head.weight
-    assert controller.head._tail is not None  # the sampled rows' tables too
+    assert controller.head.estimate.built is not None  # the sampled rows' tables too
     status = controller.status()
-    assert status.active and status.extra_memory_bytes >= controller.head._tail.nbytes
+    assert status.active and status.extra_memory_bytes >= controller.head.estimate.built.nbytes
     assert controller.counters.steps == 0  # warmed up on zero rows, no step counted
 
     hidden = torch.randn(2, HIDDEN)
@@ -686,7 +686,7 @@ def test_the_model_loader_builds_the_head_of_the_load_that_installed_the_hooks(p
         torch.set_default_dtype(previous)
     assert loaded == [(model, config, torch.device("cpu"))]
     assert controller.head is not None and controller.head.weight is model.lm_head.weight
-    assert controller.status().active and controller.head._tail is not None
+    assert controller.status().active and controller.head.estimate.built is not None
 
     asleep = _vocab_modules("untied")
     asleep.logits_processor = logits_processor.subclass()(VOCAB)

@@ -229,22 +229,18 @@ def test_a_rank_failing_to_read_the_step_rows_still_exchanges_once(group, weight
 
 
 def test_a_rank_whose_head_failed_to_build_still_takes_part_in_the_exchange(group, weight, monkeypatch):
-    import my_pkg.flashhead.head
+    from my_pkg.flashhead.head import FlashHead
 
     hidden = torch.randn(2, HIDDEN)
     ranks = _ranks(weight, n_probes=CLUSTERS)
+    real = FlashHead.from_settings
 
-    class Refused:  # only rank 1 fails to build its head (say, out of memory on that device)
-        def __init__(self, weight, *args, **kwargs):
-            if weight.data_ptr() == ranks[1][1].weight.data_ptr():
-                raise MemoryError("no room")
-            self.__dict__["_head"] = real(weight, *args, **kwargs)
+    def refused(weight, *args, **kwargs):  # only rank 1 fails to build its head (say, out of memory on that device)
+        if weight.data_ptr() == ranks[1][1].weight.data_ptr():
+            raise MemoryError("no room")
+        return real(weight, *args, **kwargs)
 
-        def __getattr__(self, name):
-            return getattr(self.__dict__["_head"], name)
-
-    real = my_pkg.flashhead.head.FlashHead
-    monkeypatch.setattr(my_pkg.flashhead.head, "FlashHead", Refused)
+    monkeypatch.setattr(FlashHead, "from_settings", refused)
     _build(group, ranks, hidden)
     failed = ranks[1][0]._my_pkg_flashhead
     assert failed.head is None and failed.unavailable_code == "build_failed" and failed.stage1 is not None

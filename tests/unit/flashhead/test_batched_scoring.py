@@ -69,7 +69,7 @@ def test_grouped_path_breaks_when_the_index_map_is_wrong(monkeypatch, cluster_ro
     if cluster_rows:
         head.cluster_rows.token_cluster = torch.roll(head.cluster_rows.token_cluster, 1)
     else:
-        head._token_cluster = torch.roll(head._token_cluster, 1)
+        head.candidate_rows.token_cluster = torch.roll(head.candidate_rows.token_cluster, 1)
     _, bad = head.candidate_logits(hidden, probes)
     assert not torch.equal(good, bad)
 
@@ -215,7 +215,7 @@ def test_sampled_rows_score_candidates_and_rescored_tokens_in_one_pass_with_the_
     probes = head.select_probes(hidden)
     extra = torch.stack([torch.randperm(VOCAB, generator=torch.Generator().manual_seed(r))[:30] for r in range(rows)])
     ids, logits = torch_ref.candidate_logits(
-        hidden, head.weight, head.members, probes, token_cluster=head._token_cluster, extra_ids=extra
+        hidden, head.weight, head.members, probes, token_cluster=head.candidate_rows.token_cluster, extra_ids=extra
     )
     cand_ids, cand = head.candidate_logits(hidden, probes)
     assert torch.equal(ids, torch.cat([cand_ids, extra], dim=1))

@@ -134,9 +134,9 @@ def test_each_check_compares_another_row_and_a_change_anywhere_is_found_within_v
 
 def test_a_cpu_head_keeps_the_copy_by_default_and_not_with_the_setting_off():
     head, _ = random_head(64, 8, n_probes=2, cluster_rows=False)
-    assert head.cluster_rows is None and head._token_cluster is not None
+    assert head.cluster_rows is None and head.candidate_rows.token_cluster is not None
     head, _ = random_head(64, 8, n_probes=2)
-    assert head.cluster_rows is not None and head._token_cluster is None
+    assert head.cluster_rows is not None and head.candidate_rows.token_cluster is None
 
 
 def test_a_row_that_is_not_a_number_is_no_change():

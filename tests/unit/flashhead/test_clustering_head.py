@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from my_pkg.flashhead import FlashHead, balanced_kmeans, default_n_probes
+from my_pkg.flashhead import FlashHead, balanced_kmeans
+from my_pkg.flashhead.cluster_rows import build_members
 from my_pkg.flashhead.clustering import cluster_capacities, random_balanced_assignment
-from my_pkg.flashhead.head import build_members
 from tests.support.heads import random_head
 
 from .conftest import clustered_head
@@ -134,9 +134,3 @@ def test_bf16_head():
     ids, logits = head.candidate_logits(h)
     assert logits.dtype == torch.bfloat16
     torch.testing.assert_close(head.step_logits(h).float(), head.dense_logits(h).float(), rtol=2e-2, atol=5e-2)
-
-
-def test_default_n_probes():
-    assert default_n_probes(8016) == 251
-    assert default_n_probes(5) == 5
-    assert 1 <= default_n_probes(1) <= 1

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.kernels import backend_names, triton_available
+from my_pkg.flashhead.kernels import backend_names, load_backend, triton_available
 from my_pkg.flashhead.kernels.tolerances import TOLERANCES, Tolerance
 from tests.support.heads import random_head
 
@@ -60,8 +60,8 @@ def check_case(backend: str, shape: tuple[int, ...], dtype: torch.dtype) -> None
     assert _violations(logits, want, TOLERANCES[dtype]) == 0, (logits - want).abs().max()
     # A sampled row's rescored tail tokens (``extra_ids``) come after the candidates, scored the same way.
     extra = torch.stack([torch.randperm(vocab, generator=torch.Generator().manual_seed(r))[:3] for r in range(batch)])
-    both_ids, both = head._kernels().candidate_logits(
-        hidden, head.weight, head.members, chosen, token_cluster=head._token_cluster, extra_ids=extra
+    both_ids, both = load_backend(head.backend).candidate_logits(
+        hidden, head.weight, head.members, chosen, token_cluster=head.candidate_rows.token_cluster, extra_ids=extra
     )
     assert torch.equal(both_ids, torch.cat([ids, extra], dim=1)) and both.dtype == dtype
     want_extra = torch.einsum("bnh,bh->bn", head.weight[extra].double(), hidden.double())

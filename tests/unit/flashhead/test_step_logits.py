@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from my_pkg.flashhead import FlashHead
-from my_pkg.flashhead.head import default_sampled_n_probes
 from my_pkg.flashhead.kernels.torch_ref import token_logits as _token_logits
+from my_pkg.flashhead.spec import default_sampled_n_probes
 from my_pkg.flashhead.tail_estimate import build_tail_tables, default_tail_rank
 from tests.support.heads import random_head
 
@@ -282,7 +282,7 @@ def test_a_fitted_estimate_gets_v_over_32_exact_tokens_and_every_cluster_probed_
 
 
 def test_a_fitted_estimate_lowers_its_rank_to_keep_a_sampled_row_within_the_budget():
-    from my_pkg.flashhead.head import SAMPLED_ROW_BUDGET, default_sampled_rank
+    from my_pkg.flashhead.spec import SAMPLED_ROW_BUDGET, default_sampled_rank
     from my_pkg.flashhead.tail_estimate import fit_tail_factors
 
     assert default_sampled_rank(128_256, 2048, fitted_rank=64) == 64  # the budget never binds at 2,048-wide heads

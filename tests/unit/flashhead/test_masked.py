@@ -1,4 +1,4 @@
-"""`FlashHead.masked_logits`: step_logits' answer made from the dense head's logits.
+"""`masked_logits`: step_logits' answer made from the dense head's logits.
 
 Serving takes this way when the dense product is the cheaper one, so every row must get the same tokens
 as `step_logits` gives it: the same ids scored exactly (the same -inf pattern for greedy rows, the same
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from my_pkg.flashhead.masked import masked_logits
 from tests.support.heads import random_head
 
 VOCAB, HIDDEN = 1000, 32
@@ -39,7 +40,7 @@ def test_masked_logits_score_the_same_tokens_as_step_logits(dtype, sampled, samp
     mask = None if sampled is None else np.array(sampled)
     served = head.step_logits(hidden, sampled=mask, pinned=pinned, postprocess=_soft_cap)
     dense = _soft_cap(head.dense_logits(hidden))
-    masked = head.masked_logits(hidden, dense, sampled=mask, pinned=pinned, postprocess=_soft_cap)
+    masked = masked_logits(head, hidden, dense, sampled=mask, pinned=pinned, postprocess=_soft_cap)
 
     assert masked.shape == served.shape and masked.dtype == served.dtype
     assert torch.equal(torch.isinf(masked), torch.isinf(served))  # the same tokens out of reach
@@ -57,7 +58,7 @@ def test_masked_logits_follow_the_probes_the_caller_chose():
     head, hidden = _case(torch.float32)
     probes = torch.arange(head.n_probes).expand(hidden.shape[0], -1).contiguous()  # clusters 0..P-1 everywhere
     dense = head.dense_logits(hidden)
-    masked = head.masked_logits(hidden, dense, probes=probes)
+    masked = masked_logits(head, hidden, dense, probes=probes)
     allowed = torch.zeros(VOCAB, dtype=torch.bool)
     allowed[head.members[: head.n_probes].flatten()] = True
     assert torch.equal(torch.isfinite(masked), allowed.expand_as(masked))
@@ -67,4 +68,4 @@ def test_masked_logits_follow_the_probes_the_caller_chose():
 def test_masked_logits_refuse_a_logits_row_of_the_wrong_shape():
     head, hidden = _case(torch.float32)
     with pytest.raises(ValueError, match="exact must be"):
-        head.masked_logits(hidden, torch.zeros(hidden.shape[0], VOCAB - 1))
+        masked_logits(head, hidden, torch.zeros(hidden.shape[0], VOCAB - 1))
