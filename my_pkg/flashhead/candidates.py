@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .cluster_rows import ClusterRows, cluster_rows_for
-from .kernels import load_backend, torch_ref
+from .kernels import KernelOps, torch_ref
 
 __all__ = ["CandidateRows"]
 
@@ -26,14 +26,14 @@ class CandidateRows:
         weight: ``[V', H]`` head weight (a reference is kept).
         assignments: ``[V]`` int64 cluster id of each token, on the weight's device.
         members: ``[C, cap]`` the cluster map, on the weight's device.
-        backend: a resolved backend name (:mod:`~my_pkg.flashhead.kernels`).
+        kernels: the head's backend functions (:func:`~my_pkg.flashhead.kernels.load_ops`).
         copy: read the candidates from a copy of the rows in cluster order (CPU only).
     """
 
     def __init__(
-        self, weight: torch.Tensor, assignments: torch.Tensor, members: torch.Tensor, *, backend: str, copy: bool
+        self, weight: torch.Tensor, assignments: torch.Tensor, members: torch.Tensor, *, kernels: KernelOps, copy: bool
     ) -> None:
-        self.weight, self.members, self.backend = weight, members, backend
+        self.weight, self.members, self.kernels = weight, members, kernels
         #: The candidates' rows in cluster order (None: scored from ``weight`` itself).
         self.cluster_rows: ClusterRows | None = cluster_rows_for(weight, assignments, members) if copy else None
         #: Each head row's cluster (C: none, e.g. padding rows): lets a CPU batch be scored cluster by cluster.
@@ -60,7 +60,7 @@ class CandidateRows:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The backend's ``candidate_logits`` (token ids and their exact logits), the ``extra_ids`` after the
         candidates, from the rows in cluster order when there are any."""
-        kernels, rows = load_backend(self.backend), self.cluster_rows
+        kernels, rows = self.kernels, self.cluster_rows
         if rows is None:
             return kernels.candidate_logits(
                 hidden, self.weight, self.members, probes, token_cluster=self.token_cluster, extra_ids=extra_ids
@@ -83,5 +83,5 @@ class CandidateRows:
         :func:`~my_pkg.flashhead.tail_estimate.top_k_ids`)."""
         rows = self.cluster_rows
         if rows is None or not has_candidates:
-            return torch_ref.token_logits(hidden, self.weight, ids)
-        return torch_ref.token_logits(hidden, rows.rows, rows.row_of[ids])
+            return self.kernels.token_logits(hidden, self.weight, ids)
+        return self.kernels.token_logits(hidden, rows.rows, rows.row_of[ids])

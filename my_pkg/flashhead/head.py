@@ -41,7 +41,7 @@ import torch
 from . import step_paths
 from .candidates import CandidateRows
 from .cluster_rows import ClusterRows, build_members
-from .kernels import resolve_backend, torch_ref
+from .kernels import KernelOps, load_ops, resolve_backend, torch_ref
 from .layout import hidden_major
 from .probes import select_probes as top_probes
 from .sampled import SampledEstimate
@@ -124,7 +124,9 @@ class FlashHead:
         elif cluster_rows and weight.device.type != "cpu":
             raise ValueError("cluster_rows is for a CPU head (its check of the copy reads a comparison back)")
         assigned = assignments.detach().to(weight.device, torch.int64)
-        self.candidate_rows = CandidateRows(weight, assigned, self.members, backend=self.backend, copy=cluster_rows)
+        self.candidate_rows = CandidateRows(
+            weight, assigned, self.members, kernels=load_ops(self.backend), copy=cluster_rows
+        )
         #: The candidates' rows in cluster order (None: scored from ``weight`` itself).
         self.cluster_rows: ClusterRows | None = self.candidate_rows.cluster_rows
         self._n_probes = 1
@@ -165,6 +167,11 @@ class FlashHead:
         )
 
     # -- properties -----------------------------------------------------------------
+    @property
+    def kernels(self) -> KernelOps:
+        """The backend's functions this head calls: stage 1's scores, stage 2's candidates, any ids' logits."""
+        return self.candidate_rows.kernels
+
     @property
     def n_probes(self) -> int:
         return self._n_probes
@@ -239,7 +246,7 @@ class FlashHead:
         first, the smaller id first on equal scores (:mod:`~my_pkg.flashhead.probes`)."""
         hidden = self.check_hidden(hidden)
         p = self._n_probes if n_probes is None else self._check_probes(n_probes)
-        return top_probes(torch_ref.stage1_scores(hidden, self.centroids), p)
+        return top_probes(self.kernels.stage1_scores(hidden, self.centroids), p)
 
     def candidate_logits(
         self, hidden: torch.Tensor, probes: torch.Tensor | None = None, **select_kw
@@ -329,7 +336,7 @@ class FlashHead:
             return chosen[:, :width]
         if width == 0:
             return torch.empty((hidden.shape[0], 0), dtype=torch.int64, device=hidden.device)
-        return top_probes(torch_ref.stage1_scores(hidden, self.centroids), width)
+        return top_probes(self.kernels.stage1_scores(hidden, self.centroids), width)
 
     def scored_rows_per_step(self, *, sampled: bool, pinned: int = 0) -> int:
         """Head rows scored per row of :meth:`step_logits`: centroids + candidates + ``pinned`` ids;

@@ -1,6 +1,6 @@
-"""Stage-2 kernel backends of FlashHead and their registry.
+"""Kernel backends of FlashHead and their registry.
 
-A backend is a module with one function::
+A backend is a module with one required function, stage 2's::
 
     candidate_logits(hidden [B,H], weight [V',H], members [C,cap] int64, probes [B,P] int64, *,
                      token_cluster [V'] int64 | None = None, extra_ids [B,N] int64 | None = None)
@@ -16,6 +16,14 @@ parallelism holds none of its members) by token 0.  Registered here:
 * ``torch`` (:mod:`.torch_ref`): pure torch, every device; the CPU path and the reference;
 * ``triton`` (:mod:`.triton_kernels`): CUDA, imported only when chosen and Triton imports.
 
+and two optional ones, which default to the torch backend's (:mod:`.torch_ref`) when a module does not
+define them::
+
+    stage1_scores(hidden [B,H], centroids [C,H] or hidden-major) -> [B, C] centroid scores
+    token_logits(hidden [B,H], weight [V',H], ids [B,N] int64) -> [B, N] exact logits of any ids
+
+A head resolves its backend's functions once (:func:`load_ops`) and calls them through :class:`KernelOps`.
+
 ``FlashHead(backend="auto")`` takes the first backend registered for the weight's device type whose
 ``available()`` is true, else ``torch``.  Adding a backend: see ``README.md`` next to this file.
 """
@@ -27,7 +35,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["Backend", "register_backend", "backend_names", "resolve_backend", "load_backend", "triton_available"]
+import torch
+
+__all__ = [
+    "Backend",
+    "KernelOps",
+    "register_backend",
+    "backend_names",
+    "resolve_backend",
+    "load_backend",
+    "load_ops",
+    "triton_available",
+]
 
 
 def triton_available() -> bool:
@@ -85,6 +104,28 @@ def resolve_backend(name: str, device_type: str) -> str:
 def load_backend(name: str) -> ModuleType:
     """The module of a registered backend (imported on first use)."""
     return importlib.import_module(_BACKENDS[name].module)
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """One backend's functions, resolved once per head: the backend's own, or the torch backend's where the
+    backend does not define an optional one."""
+
+    name: str
+    stage1_scores: Callable[..., torch.Tensor]
+    candidate_logits: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    token_logits: Callable[..., torch.Tensor]
+
+
+def load_ops(name: str) -> KernelOps:
+    """The functions of registered backend ``name`` (a resolved name, not ``auto``)."""
+    module, torch_backend = load_backend(name), load_backend("torch")
+    return KernelOps(
+        name=name,
+        stage1_scores=getattr(module, "stage1_scores", torch_backend.stage1_scores),
+        candidate_logits=module.candidate_logits,
+        token_logits=getattr(module, "token_logits", torch_backend.token_logits),
+    )
 
 
 register_backend("torch", f"{__name__}.torch_ref")

@@ -3,6 +3,8 @@ bit as from the head itself; the copy is shared, counted, and follows a weight c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -72,7 +74,8 @@ def test_the_kernels_read_the_copy_with_the_cluster_map_in_its_rows(monkeypatch)
     copied, _ = _pair()
     seen = []
     kernel = torch_ref.candidate_logits
-    monkeypatch.setattr(torch_ref, "candidate_logits", lambda *a, **kw: seen.append((a, kw)) or kernel(*a, **kw))
+    spy = replace(copied.kernels, candidate_logits=lambda *a, **kw: seen.append((a, kw)) or kernel(*a, **kw))
+    monkeypatch.setattr(copied.candidate_rows, "kernels", spy)
     hidden = _hidden(2)
     copied.step_logits(hidden)
     ((args, kw),) = seen

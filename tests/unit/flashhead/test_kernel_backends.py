@@ -116,3 +116,30 @@ def test_registry_names_every_backend_case():
     assert set(BACKEND_CASES) <= set(backend_names()) and backend_names()[0] == "auto"
     with pytest.raises(ValueError, match="backend must be one of"):
         _head("bogus", 64, 8, 0, 1, torch.float32)
+
+
+def test_a_head_calls_its_backends_own_stage_1_and_token_logits(monkeypatch):
+    from my_pkg.flashhead import kernels
+    from tests.support import counting_backend
+
+    monkeypatch.setattr(kernels, "_BACKENDS", dict(kernels._BACKENDS))  # the registrations are undone afterwards
+    kernels.register_backend("counting", "tests.support.counting_backend")
+    kernels.register_backend("stage2_only", "tests.support.stage2_only_backend")
+    counting_backend.CALLS.clear()
+    head, _ = random_head(300, 32, n_probes=3, seed=1, backend="counting", sampled_rank=4)
+    reference, _ = random_head(300, 32, n_probes=3, seed=1, backend="torch", sampled_rank=4)
+    hidden = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
+    sampled = np.array([False, True, False, True])
+
+    logits = head.step_logits(hidden, sampled=sampled)
+
+    assert torch.equal(logits, reference.step_logits(hidden, sampled=sampled))
+    assert head.kernels.name == "counting"
+    assert {op: counting_backend.CALLS[op] > 0 for op in ("stage1_scores", "token_logits")} == {
+        "stage1_scores": True,
+        "token_logits": True,
+    }
+    partial = kernels.load_ops("stage2_only")
+    torch_ops = kernels.load_ops("torch")
+    assert partial.stage1_scores is torch_ops.stage1_scores and partial.token_logits is torch_ops.token_logits
+    assert partial.candidate_logits is not torch_ops.candidate_logits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -238,10 +239,8 @@ def test_by_default_a_sampled_row_scores_exactly_the_tokens_its_estimate_ranks_b
     def no_stage_1(*args, **kwargs):
         raise AssertionError("stage 1 ran for sampled rows that probe no cluster")
 
-    from my_pkg.flashhead.kernels import torch_ref
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch_ref, "stage1_scores", no_stage_1)
+        patch.setattr(head.candidate_rows, "kernels", replace(head.kernels, stage1_scores=no_stage_1))
         logits = head.step_logits(hidden, sampled=np.ones(4, bool), pinned=pinned)
     for row in range(4):
         exact = torch.zeros(VOCAB, dtype=torch.bool)
@@ -254,7 +253,6 @@ def test_by_default_a_sampled_row_scores_exactly_the_tokens_its_estimate_ranks_b
 
 @pytest.mark.parametrize("rows", [4, 20])  # 20: scored cluster by cluster
 def test_a_mixed_batch_scores_both_kinds_in_one_pass_with_the_logits_of_each_kind_alone(rows, monkeypatch):
-    from my_pkg.flashhead.kernels import torch_ref
 
     head = _head(n_probes=2)
     hidden = _hidden(rows, seed=3)
@@ -262,7 +260,8 @@ def test_a_mixed_batch_scores_both_kinds_in_one_pass_with_the_logits_of_each_kin
     greedy = head.step_logits(hidden[~mixed])
     sampled = head.step_logits(hidden[mixed], sampled=np.ones(int(mixed.sum()), bool))
     passes = []
-    monkeypatch.setattr(torch_ref, "token_logits", lambda *a: passes.append(a[2].shape) or _token_logits(*a))
+    spy = replace(head.kernels, token_logits=lambda *a: passes.append(a[2].shape) or _token_logits(*a))
+    monkeypatch.setattr(head.candidate_rows, "kernels", spy)
     both = head.step_logits(hidden, sampled=mixed)
     assert passes == [(rows, head.n_probes * head.cluster_size)]  # one pass; the sampled rows' 21 ids padded
     assert torch.equal(both[~mixed], greedy) and torch.equal(both[mixed], sampled)
