@@ -34,6 +34,7 @@ rows' estimate (:mod:`~my_pkg.flashhead.sampled`), the ways through a step's bat
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,7 +50,15 @@ from .spec import HeadSettings, HeadSpec, resolve_sampled_n_probes, rows_scored
 from .staging import host_mask
 from .tail_estimate import TailFactors, TailTables
 
-__all__ = ["FlashHead"]
+__all__ = ["FlashHead", "PinnedIds"]
+
+
+class PinnedIds(NamedTuple):
+    """Token ids scored exactly on every row of a step, with their rows of the head weight (a caller that pins
+    the same ids every step keeps the rows instead of gathering them per step)."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
 
 
 class FlashHead:
@@ -263,7 +272,7 @@ class FlashHead:
         hidden: torch.Tensor,
         *,
         sampled: torch.Tensor | np.ndarray | None = None,
-        pinned: torch.Tensor | None = None,
+        pinned: torch.Tensor | PinnedIds | None = None,
         postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
         probes: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -278,7 +287,8 @@ class FlashHead:
                 and every other token the estimated logit of the rank-``sampled_rank``
                 approximation of the head (:mod:`~my_pkg.flashhead.tail_estimate`; ``-inf`` at
                 rank 0), but for the ``sampled_rescore`` best-estimated ones, scored exactly.
-            pinned: int64 token ids on the head's device, scored exactly on every row.
+            pinned: int64 token ids on the head's device, scored exactly on every row (or :class:`PinnedIds`:
+                the ids with their weight rows).
             postprocess: the model's logit scale / soft-cap, applied to every finite value
                 (candidates, estimates, pinned), never to ``-inf``.
             probes: ``[B, K]`` int64 cluster ids on the head's device, each row's best first, chosen by
@@ -301,11 +311,11 @@ class FlashHead:
         if probes is not None and (probes.dim() != 2 or probes.shape[0] != num_rows or probes.shape[1] < width):
             raise ValueError(f"probes must be [{num_rows}, >= {width}], got {tuple(probes.shape)}")
         logits = step_paths.scored(self, hidden, probes, mask, width, post)
-        if pinned is not None and pinned.numel():
-            pinned_weight = self.weight.index_select(0, pinned)
-            logits[:, pinned] = post(torch.nn.functional.linear(hidden.to(self.weight.dtype), pinned_weight)).to(
-                logits.dtype
-            )
+        if isinstance(pinned, torch.Tensor):
+            pinned = PinnedIds(pinned, self.weight.index_select(0, pinned)) if pinned.numel() else None
+        if pinned is not None:
+            exact = post(torch.nn.functional.linear(hidden.to(pinned.rows.dtype), pinned.rows))
+            logits.index_copy_(1, pinned.ids, exact.to(logits.dtype))
         return logits
 
     def exact_tokens(

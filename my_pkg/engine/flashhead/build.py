@@ -135,10 +135,9 @@ def head_step(
     pinned = pins.get((), head.weight) if pins is not None else None
 
     def step(hidden: torch.Tensor, sampled: np.ndarray) -> torch.Tensor:
-        logits = head.step_logits(hidden, sampled=sampled if probe_sampling else None, probes=probes(hidden))
-        if pins is not None:
-            pins.score(logits, hidden, pinned, lambda x: x)
-        return logits
+        return head.step_logits(
+            hidden, sampled=sampled if probe_sampling else None, pinned=pinned, probes=probes(hidden)
+        )
 
     return step
 

@@ -11,11 +11,11 @@ never waits for the device on the step path.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from my_pkg.flashhead.head import PinnedIds
 from my_pkg.flashhead.staging import index_tensor
 
 __all__ = ["PinnedRows"]
@@ -30,11 +30,12 @@ class PinnedRows:
         self.base_ids = frozenset(base_ids)
         self.vocab_range = vocab_range
         self.capacity = capacity
-        self._cache: OrderedDict[_Key, tuple[torch.Tensor, torch.Tensor] | None] = OrderedDict()
+        self._cache: OrderedDict[_Key, PinnedIds | None] = OrderedDict()
         self.uploads = 0  # distinct sets uploaded so far (a test and the docs read it)
 
-    def get(self, stop_ids: tuple[int, ...], weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`(local ids [P] int64, their weight rows [P, H])` on `weight`'s device; None when nothing is pinned."""
+    def get(self, stop_ids: tuple[int, ...], weight: torch.Tensor) -> PinnedIds | None:
+        """The local ids `[P]` int64 and their weight rows `[P, H]` on `weight`'s device, as
+        `FlashHead.step_logits(pinned=...)` takes them; None when nothing is pinned."""
         key = (stop_ids, weight.device)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -44,26 +45,12 @@ class PinnedRows:
         entry = None
         if ids:
             local = index_tensor(np.asarray(ids, dtype=np.int64), weight.device)
-            entry = (local, weight.index_select(0, local))
+            entry = PinnedIds(local, weight.index_select(0, local))
         self.uploads += 1
         self._cache[key] = entry
         while len(self._cache) > self.capacity:
             self._cache.popitem(last=False)
         return entry
-
-    def score(
-        self,
-        logits: torch.Tensor,
-        hidden: torch.Tensor,
-        pins: tuple[torch.Tensor, torch.Tensor] | None,
-        postprocess: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        """Write the exact (post-processed) logits of the pinned ids into `logits` `[B, V]`, in place."""
-        if pins is None:
-            return logits
-        ids, rows = pins
-        exact = postprocess(torch.nn.functional.linear(hidden.to(rows.dtype), rows)).to(logits.dtype)
-        return logits.index_copy_(1, ids, exact)
 
     @property
     def nbytes(self) -> int:

@@ -21,7 +21,7 @@ from my_pkg.contract import DenseReason
 from my_pkg.engine.flashhead.pins import PinnedRows
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer, RecentSteps
-from my_pkg.flashhead.head import FlashHead
+from my_pkg.flashhead.head import FlashHead, PinnedIds
 from my_pkg.flashhead.masked import masked_logits
 from my_pkg.flashhead.probes import merge_probes
 from my_pkg.flashhead.settings import FlashHeadSettings
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 Product = Callable[[torch.Tensor], torch.Tensor]
-Pinned = tuple[torch.Tensor, torch.Tensor] | None
+Pinned = PinnedIds | None
 
 
 def all_dense_reason(
@@ -133,7 +133,7 @@ def masked_way(
         flash.hidden,
         part,
         sampled=sampled,
-        pinned=pins[0] if pins is not None else None,
+        pinned=pins.ids if pins is not None else None,
         postprocess=postprocess,
         probes=probes,
     )
@@ -151,7 +151,6 @@ def kernels_way(
     dense: Product,
     *,
     sampled: np.ndarray | None,
-    pinned_rows: PinnedRows,
     pins: Pinned,
     postprocess: Product,
     probes: torch.Tensor | None,
@@ -161,10 +160,9 @@ def kernels_way(
     """FlashHead's rows by its kernels, the `dense_rows` by `dense`; `timer` times the head's part; `check`: the
     live fidelity check and its `every`."""
     token = timer.start(hidden.device)
-    # What vLLM's sampler gets (the eval scores the same rows with `step_logits(pinned=...)`): candidates,
-    # estimated logits for sampled rows, then every pinned id (EOS, specials, the step's stop ids) exact.
-    flash_logits = head.step_logits(flash.hidden, sampled=sampled, postprocess=postprocess, probes=probes)
-    pinned_rows.score(flash_logits, flash.hidden, pins, postprocess)
+    # What vLLM's sampler gets, as the eval scores it: candidates, estimated logits for sampled rows, and every
+    # pinned id (EOS, specials, the step's stop ids) exact.
+    flash_logits = head.step_logits(flash.hidden, sampled=sampled, pinned=pins, postprocess=postprocess, probes=probes)
     if flash.index is None:
         logits = flash_logits
     else:
@@ -211,7 +209,6 @@ def serve(
         dense_rows,
         dense,
         sampled=sampled,
-        pinned_rows=pinned_rows,
         pins=pins,
         postprocess=postprocess,
         probes=probes,
