@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -37,43 +38,45 @@ def _step(head: FlashHead, hidden: torch.Tensor, kind: str, pins: torch.Tensor):
     return lambda: head.step_logits(hidden, sampled=sampled, pinned=pins)
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def run(args: argparse.Namespace, plan: torch_ref.CpuPlan = torch_ref.DEFAULT_PLAN) -> list[dict]:
+    """Both ways per batch: ``plan`` (rows cut for the threads) and the same plan with no cut."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(args.vocab, args.hidden, generator=g)
     assignment = random_balanced_assignment(args.vocab, 16)
     clusters = int(assignment.max()) + 1
     head = FlashHead(
-        weight, torch.randn(clusters, args.hidden, generator=g), assignment, n_probes=default_n_probes(clusters)
+        weight,
+        torch.randn(clusters, args.hidden, generator=g),
+        assignment,
+        n_probes=default_n_probes(clusters),
+        cpu_plan=plan,
     )
     pins = torch.arange(args.vocab - 3, args.vocab)
     head.step_logits(torch.zeros(1, args.hidden), sampled=np.ones(1, bool))  # the estimate's tables, once
-    cut_min = torch_ref._MIN_IDS_PER_PART
+    plans = {"cut": plan, "whole": replace(plan, min_ids_per_part=1 << 62)}
     results = []
-    try:
-        for batch in args.batches:
-            hidden = torch.randn(batch, args.hidden, generator=g)
-            parts = torch_ref._row_parts(batch, head.n_probes * head.cluster_size)  # before either way is set
-            runs: dict[str, list[float]] = {"dense": []}
-            dense = partial(torch.nn.functional.linear, hidden, weight)
-            for rnd in range(args.rounds):
-                runs["dense"].append(median_ms(dense, args.repeats))
-                for way in ("cut", "whole") if rnd % 2 == 0 else ("whole", "cut"):
-                    torch_ref._MIN_IDS_PER_PART = cut_min if way == "cut" else 1 << 62
-                    for kind in KINDS:
-                        step = _step(head, hidden, kind, pins)
-                        step()
-                        runs.setdefault(f"{kind} {way}", []).append(median_ms(step, args.repeats))
-            row = {"batch": batch, "parts": parts}
-            row.update({name: statistics.median(times) for name, times in runs.items()})
-            results.append(row)
-            text = "  ".join(
-                f"{kind}: cut {row[f'{kind} cut']:.2f} ms x{row['dense'] / row[f'{kind} cut']:.2f}, "
-                f"whole {row[f'{kind} whole']:.2f} ms x{row['dense'] / row[f'{kind} whole']:.2f}"
-                for kind in KINDS
-            )
-            print(f"  B={batch:3d} (pieces per row {row['parts']}): dense {row['dense']:.2f} ms  {text}", flush=True)
-    finally:
-        torch_ref._MIN_IDS_PER_PART = cut_min
+    for batch in args.batches:
+        hidden = torch.randn(batch, args.hidden, generator=g)
+        parts = torch_ref._row_parts(batch, head.n_probes * head.cluster_size, plans["cut"])
+        runs: dict[str, list[float]] = {"dense": []}
+        dense = partial(torch.nn.functional.linear, hidden, weight)
+        for rnd in range(args.rounds):
+            runs["dense"].append(median_ms(dense, args.repeats))
+            for way in ("cut", "whole") if rnd % 2 == 0 else ("whole", "cut"):
+                head.cpu_plan = plans[way]
+                for kind in KINDS:
+                    step = _step(head, hidden, kind, pins)
+                    step()
+                    runs.setdefault(f"{kind} {way}", []).append(median_ms(step, args.repeats))
+        row = {"batch": batch, "parts": parts}
+        row.update({name: statistics.median(times) for name, times in runs.items()})
+        results.append(row)
+        text = "  ".join(
+            f"{kind}: cut {row[f'{kind} cut']:.2f} ms x{row['dense'] / row[f'{kind} cut']:.2f}, "
+            f"whole {row[f'{kind} whole']:.2f} ms x{row['dense'] / row[f'{kind} whole']:.2f}"
+            for kind in KINDS
+        )
+        print(f"  B={batch:3d} (pieces per row {row['parts']}): dense {row['dense']:.2f} ms  {text}", flush=True)
     return results
 
 

@@ -22,7 +22,7 @@ import argparse
 import itertools
 import statistics
 import sys
-from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -34,17 +34,13 @@ from my_pkg.flashhead.kernels import torch_ref
 STATES = 16
 
 
-@contextmanager
-def before(head_has_empty_cluster: bool):
+def before(head_has_empty_cluster: bool) -> torch_ref.CpuPlan:
     """The stage-2 path before: every padded slot scored; row by row when a cluster is empty."""
-    saved = torch_ref._SKIP_PADDING_SHARE, torch_ref._GROUPED_MIN_ROWS
-    torch_ref._SKIP_PADDING_SHARE = 2.0  # never
-    if head_has_empty_cluster:
-        torch_ref._GROUPED_MIN_ROWS = 1 << 62
-    try:
-        yield
-    finally:
-        torch_ref._SKIP_PADDING_SHARE, torch_ref._GROUPED_MIN_ROWS = saved
+    return replace(
+        torch_ref.DEFAULT_PLAN,
+        skip_padding_share=2.0,  # never
+        grouped_min_rows=1 << 62 if head_has_empty_cluster else torch_ref.DEFAULT_PLAN.grouped_min_rows,
+    )
 
 
 def _shard_head(weight: torch.Tensor, centroids: torch.Tensor, assignment: torch.Tensor, tp: int) -> FlashHead:
@@ -78,8 +74,9 @@ def _rounds(
             if way == "now":
                 runs[way].append(median_ms(stage2, args.repeats))
             else:
-                with before(has_empty):
-                    runs[way].append(median_ms(stage2, args.repeats))
+                head.cpu_plan = before(has_empty)
+                runs[way].append(median_ms(stage2, args.repeats))
+                head.cpu_plan = None
     return runs
 
 
@@ -102,8 +99,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             states = [torch.randn(batch, args.hidden, generator=g) for _ in range(STATES)]
             probes = [head.select_probes(h) for h in states]
             now_logits = head.candidate_logits(states[0], probes[0])[1]
-            with before(empty > 0):
-                assert torch.equal(now_logits, head.candidate_logits(states[0], probes[0])[1])
+            head.cpu_plan = before(empty > 0)
+            assert torch.equal(now_logits, head.candidate_logits(states[0], probes[0])[1])
+            head.cpu_plan = None
             runs = _rounds(head, states, probes, empty > 0, args)
             row = {"tp": tp, "batch": batch, "empty": empty}
             row.update({name: statistics.median(times) for name, times in runs.items()})

@@ -91,43 +91,39 @@ def run(args: argparse.Namespace) -> list[dict]:
     )
     pins = torch.arange(args.vocab - 3, args.vocab)
     generator = torch.Generator().manual_seed(1)
-    union_min = torch_ref._UNION_MIN_ROWS
+    plans = {"union": torch_ref.DEFAULT_PLAN, "rows": torch_ref.CpuPlan(union_min_rows=1 << 30)}
     results = []
-    try:
-        for shared in args.shared:
-            for batch in args.batches:
-                hidden = _hidden(batch, args.hidden, shared, generator).to(dtype)
-                row: dict = {"shared": shared, "batch": batch}
-                runs: dict[str, list[float]] = {"dense": []}
-                for kind in KINDS:
-                    row[f"{kind} share"] = union_share(head, hidden, kind)
-                    sampled = np.full(batch, kind == "sampled")
-                    torch_ref._UNION_MIN_ROWS = union_min
-                    union = head.step_logits(hidden, sampled=sampled, pinned=pins)
-                    torch_ref._UNION_MIN_ROWS = 1 << 30
-                    rows = head.step_logits(hidden, sampled=sampled, pinned=pins)
-                    row[f"{kind} equal"] = bool(torch.equal(union, rows))
-                for rnd in range(args.rounds):
-                    runs["dense"].append(median_ms(partial(dense, hidden), args.repeats))
-                    for way in WAYS if rnd % 2 == 0 else WAYS[::-1]:
-                        torch_ref._UNION_MIN_ROWS = union_min if way == "union" else 1 << 30
-                        for kind in KINDS:
-                            sampled = np.full(batch, kind == "sampled")
-                            runs.setdefault(f"{kind} {way}", []).append(
-                                median_ms(partial(head.step_logits, hidden, sampled=sampled, pinned=pins), args.repeats)
-                            )
-                    torch_ref._UNION_MIN_ROWS = union_min
-                row.update({name: statistics.median(times) for name, times in runs.items()})
-                results.append(row)
-                text = "  ".join(
-                    f"{kind} (share {row[f'{kind} share']:.2f}, equal {row[f'{kind} equal']}): "
-                    f"union {row[f'{kind} union']:.2f} ms x{row['dense'] / row[f'{kind} union']:.2f}, "
-                    f"rows {row[f'{kind} rows']:.2f} ms x{row['dense'] / row[f'{kind} rows']:.2f}"
-                    for kind in KINDS
-                )
-                print(f"  shared {shared:.2f} B={batch:3d}: dense {row['dense']:.2f} ms  {text}", flush=True)
-    finally:
-        torch_ref._UNION_MIN_ROWS = union_min
+    for shared in args.shared:
+        for batch in args.batches:
+            hidden = _hidden(batch, args.hidden, shared, generator).to(dtype)
+            row: dict = {"shared": shared, "batch": batch}
+            runs: dict[str, list[float]] = {"dense": []}
+            for kind in KINDS:
+                row[f"{kind} share"] = union_share(head, hidden, kind)
+                sampled = np.full(batch, kind == "sampled")
+                head.cpu_plan = plans["union"]
+                union = head.step_logits(hidden, sampled=sampled, pinned=pins)
+                head.cpu_plan = plans["rows"]
+                rows = head.step_logits(hidden, sampled=sampled, pinned=pins)
+                row[f"{kind} equal"] = bool(torch.equal(union, rows))
+            for rnd in range(args.rounds):
+                runs["dense"].append(median_ms(partial(dense, hidden), args.repeats))
+                for way in WAYS if rnd % 2 == 0 else WAYS[::-1]:
+                    head.cpu_plan = plans[way]
+                    for kind in KINDS:
+                        sampled = np.full(batch, kind == "sampled")
+                        runs.setdefault(f"{kind} {way}", []).append(
+                            median_ms(partial(head.step_logits, hidden, sampled=sampled, pinned=pins), args.repeats)
+                        )
+            row.update({name: statistics.median(times) for name, times in runs.items()})
+            results.append(row)
+            text = "  ".join(
+                f"{kind} (share {row[f'{kind} share']:.2f}, equal {row[f'{kind} equal']}): "
+                f"union {row[f'{kind} union']:.2f} ms x{row['dense'] / row[f'{kind} union']:.2f}, "
+                f"rows {row[f'{kind} rows']:.2f} ms x{row['dense'] / row[f'{kind} rows']:.2f}"
+                for kind in KINDS
+            )
+            print(f"  shared {shared:.2f} B={batch:3d}: dense {row['dense']:.2f} ms  {text}", flush=True)
     return results
 
 

@@ -43,6 +43,7 @@ from . import step_paths
 from .candidates import CandidateRows
 from .cluster_rows import ClusterRows, build_members
 from .kernels import KernelOps, load_ops, resolve_backend, torch_ref
+from .kernels.torch_ref import CpuPlan
 from .layout import hidden_major
 from .probes import select_probes as top_probes
 from .sampled import SampledEstimate
@@ -87,6 +88,8 @@ class FlashHead:
         cluster_rows: score candidates from a copy of the head's rows in cluster order
             (:mod:`~my_pkg.flashhead.cluster_rows`: the same logits, read in runs; one more copy of the
             token rows).  CPU only; default: on a CPU head scored by the torch backend.
+        cpu_plan: where the torch backend's CPU path switches ways (:class:`~.kernels.torch_ref.CpuPlan`; the same
+            logits, another speed); default :data:`~.kernels.torch_ref.DEFAULT_PLAN`.
 
     All methods accept any batch ``B >= 1``; on an accelerator they do no host synchronisation.
     """
@@ -105,6 +108,7 @@ class FlashHead:
         allow_empty_clusters: bool = False,
         tail_factors: TailFactors | None = None,
         cluster_rows: bool | None = None,
+        cpu_plan: CpuPlan | None = None,
     ) -> None:
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
@@ -134,8 +138,9 @@ class FlashHead:
             raise ValueError("cluster_rows is for a CPU head (its check of the copy reads a comparison back)")
         assigned = assignments.detach().to(weight.device, torch.int64)
         self.candidate_rows = CandidateRows(
-            weight, assigned, self.members, kernels=load_ops(self.backend), copy=cluster_rows
+            weight, assigned, self.members, kernels=load_ops(self.backend, cpu_plan), copy=cluster_rows
         )
+        self._cpu_plan = cpu_plan
         #: The candidates' rows in cluster order (None: scored from ``weight`` itself).
         self.cluster_rows: ClusterRows | None = self.candidate_rows.cluster_rows
         self._n_probes = 1
@@ -180,6 +185,16 @@ class FlashHead:
     def kernels(self) -> KernelOps:
         """The backend's functions this head calls: stage 1's scores, stage 2's candidates, any ids' logits."""
         return self.candidate_rows.kernels
+
+    @property
+    def cpu_plan(self) -> CpuPlan | None:
+        """The torch backend's plan given to this head (None: its default); assigning one re-resolves the kernels."""
+        return self._cpu_plan
+
+    @cpu_plan.setter
+    def cpu_plan(self, plan: CpuPlan | None) -> None:
+        self.candidate_rows.kernels = load_ops(self.backend, plan)
+        self._cpu_plan = plan
 
     @property
     def n_probes(self) -> int:

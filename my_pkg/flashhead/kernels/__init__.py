@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -117,14 +119,24 @@ class KernelOps:
     token_logits: Callable[..., torch.Tensor]
 
 
-def load_ops(name: str) -> KernelOps:
-    """The functions of registered backend ``name`` (a resolved name, not ``auto``)."""
+def load_ops(name: str, cpu_plan: Any = None) -> KernelOps:
+    """The functions of registered backend ``name`` (a resolved name, not ``auto``); ``cpu_plan`` (a
+    :class:`~.torch_ref.CpuPlan`, the torch backend only) replaces its default plan."""
     module, torch_backend = load_backend(name), load_backend("torch")
-    return KernelOps(
+    ops = KernelOps(
         name=name,
         stage1_scores=getattr(module, "stage1_scores", torch_backend.stage1_scores),
         candidate_logits=module.candidate_logits,
         token_logits=getattr(module, "token_logits", torch_backend.token_logits),
+    )
+    if cpu_plan is None:
+        return ops
+    if name != "torch":
+        raise ValueError(f"cpu_plan is an option of the torch backend, not of {name!r}")
+    return replace(
+        ops,
+        candidate_logits=partial(ops.candidate_logits, plan=cpu_plan),
+        token_logits=partial(ops.token_logits, plan=cpu_plan),
     )
 
 

@@ -5,7 +5,7 @@ column pattern of a CSR matrix ``[B, V']`` and the op evaluates ``hidden[b] . we
 only at those positions, reading each candidate row once without materialising a
 gathered copy (a fresh ``index_select`` copy of thousands of rows is several times slower
 on CPU).  The sparse op has no bfloat16/float16 CPU kernel: for those dtypes each row's
-candidates are gathered in blocks of at most ``_CPU_GATHER_BLOCK_BYTES`` and scored with
+candidates are gathered in blocks of at most ``CpuPlan.gather_block_bytes`` and scored with
 one ``mm`` per block.  The half-precision ``mm`` accumulates in float32 and rounds once
 (about twice as fast as ``bmm``/``mv`` on the same rows), and a block that small is reused
 by the allocator from step to step, where one gathered copy of every row of a batch
@@ -27,43 +27,52 @@ The sparse kernel shares whole CSR rows among the threads; a batch with fewer ro
 low concurrency) has each row's ids cut into consecutive pieces, so every thread scores a share of them
 (:func:`_row_parts`), again with the same values bit for bit.
 On other devices rows are gathered with ``index_select`` and reduced with ``bmm``.
+Where the CPU path switches between these ways is a :class:`CpuPlan`, an argument of :func:`candidate_logits` and
+:func:`token_logits` (:data:`DEFAULT_PLAN` unless a head is given another); every plan gives the same logits, only
+the speed changes.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from ..layout import linear
 
-__all__ = ["stage1_scores", "candidate_ids", "candidate_logits", "token_logits"]
+__all__ = ["CpuPlan", "DEFAULT_PLAN", "stage1_scores", "candidate_ids", "candidate_logits", "token_logits"]
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """Where the CPU path switches between its ways of scoring the same ids (the logits do not change)."""
+
+    #: Largest gathered block without the sparse op (bytes of candidate rows per ``mm``): one block per row at
+    #: 128,256 x 2,048 in bf16, and below glibc's largest mmap threshold (32 MiB), so freed blocks stay in the
+    #: heap for the next one.
+    gather_block_bytes: int = 16 << 20
+    #: Fewest ids in a piece of a row when a small batch's rows are cut for the threads (:func:`_row_parts`).
+    min_ids_per_part: int = 256
+    #: Share of a small batch's candidate slots that are padding from which only the real members are scored
+    #: (:func:`_candidates_sparse`): a vocabulary shard's clusters under tensor parallelism.
+    skip_padding_share: float = 1 / 8
+    #: Smallest batch of a dtype without the sparse op scored over the union of its rows' ids
+    #: (:func:`_logits_union`): at 2 rows greedy steps measured about 1 ms slower over the union, sampled ones
+    #: 0.05-0.5 ms faster (bf16 at 128,256 x 2,048, ``python -m bench.experiments.union_rows``); from 3 both faster.
+    union_min_rows: int = 3
+    #: Smallest batch scored cluster by cluster: below it the rows share few candidates, and the grouped pattern
+    #: costs a few passes over the head's rows to build (about 2 ms at 128,256 rows, one thread).
+    grouped_min_rows: int = 8
+
+
+#: The plan a head uses unless it is given another.
+DEFAULT_PLAN = CpuPlan()
 
 _SPARSE_OK: dict[torch.dtype, bool] = {}
-
-# Largest gathered block on the CPU path without the sparse op (bytes of candidate rows per
-# ``mm``): one block per row at 128,256 x 2,048 in bf16, and below glibc's largest mmap threshold
-# (32 MiB), so freed blocks stay in the heap for the next one.
-_CPU_GATHER_BLOCK_BYTES = 16 << 20
-
-# Fewest ids in a piece of a row when a small batch's rows are cut for the threads (`_row_parts`).
-_MIN_IDS_PER_PART = 256
-
-# Share of a small batch's candidate slots that are padding from which only the real members are scored
-# (`_candidates_sparse`): a vocabulary shard's clusters under tensor parallelism.
-_SKIP_PADDING_SHARE = 1 / 8
-
-# Smallest batch of a dtype without the sparse op scored over the union of its rows' ids (`_logits_union`): at 2
-# rows greedy steps measured about 1 ms slower over the union, sampled ones 0.05-0.5 ms faster (bf16 at 128,256 x
-# 2,048, `python -m bench.experiments.union_rows`); from 3 both faster.  And the hidden columns the probe of `mm`
-# (`_mm_columns_exact`) compares.
-_UNION_MIN_ROWS = 3
+# Hidden columns the probe of ``mm`` (:func:`_mm_columns_exact`) compares, and its answers per (dtype, width).
 _UNION_PROBE_COLUMNS = 8
 _COLUMNS_EXACT: dict[tuple[torch.dtype, int], bool] = {}
-
-# Smallest batch scored cluster by cluster: below it the rows share few candidates, and the grouped
-# pattern costs a few passes over the head's rows to build (about 2 ms at 128,256 rows, one thread).
-_GROUPED_MIN_ROWS = 8
 
 
 def stage1_scores(hidden: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -100,28 +109,28 @@ def _sparse_supported(dtype: torch.dtype) -> bool:
     return ok
 
 
-def _row_parts(rows: int, ids_per_row: int) -> int:
+def _row_parts(rows: int, ids_per_row: int, plan: CpuPlan) -> int:
     """Pieces each row's ids are cut into so that the sparse kernel, which shares out whole CSR rows among
     the threads, has a row for every thread: a batch of one row would otherwise run on one thread."""
     threads = torch.get_num_threads()
     if rows >= threads:
         return 1
-    return max(1, min(threads // rows, ids_per_row // _MIN_IDS_PER_PART))
+    return max(1, min(threads // rows, ids_per_row // plan.min_ids_per_part))
 
 
-def _logits_sparse(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _logits_sparse(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, plan: CpuPlan) -> torch.Tensor:
     b, n = ids.shape
     lengths = torch.full((b,), n, dtype=torch.int64, device=ids.device)
-    return _sparse_values(hidden, weight, ids.reshape(-1), lengths, n).view(b, n)
+    return _sparse_values(hidden, weight, ids.reshape(-1), lengths, n, plan).view(b, n)
 
 
 def _sparse_values(
-    hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor, lengths: torch.Tensor, longest: int
+    hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor, lengths: torch.Tensor, longest: int, plan: CpuPlan
 ) -> torch.Tensor:
     """``[sum(lengths)]`` logits of row ``b``'s ``lengths[b]`` ids, which follow each other in ``cols`` row
     after row (``longest``: the largest length)."""
     b = lengths.numel()
-    parts = _row_parts(b, longest)
+    parts = _row_parts(b, longest, plan)
     crow = torch.zeros(b + 1, dtype=torch.int64, device=cols.device)
     torch.cumsum(lengths, 0, out=crow[1:])
     if parts > 1:  # row r's ids in `parts` consecutive CSR rows, each with a copy of hidden[r]: the same dot products
@@ -141,23 +150,25 @@ def _sparse_values(
     return out.values()
 
 
-def _candidates_sparse(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, cap: int) -> torch.Tensor:
+def _candidates_sparse(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, cap: int, plan: CpuPlan
+) -> torch.Tensor:
     """:func:`_logits_sparse` of the candidates ``ids`` (``[B, P*cap]``, ``cap`` slots per probed cluster),
     scoring a cluster's padding slots only when they are few.
 
     ``build_members`` pads a cluster to ``cap`` by repeating its first member, so a slot after the first
     that holds the slot-0 token is padding, and its logit is slot 0's.  A vocabulary shard's clusters hold
     from none to all of their members (about half of ``cap`` on average at tensor parallel 2): when more
-    than ``_SKIP_PADDING_SHARE`` of the slots are padding, only the others are scored and the padding copies slot 0's
-    value, so the logits are the same, bit for bit, at the cost of the real members alone."""
+    than ``plan.skip_padding_share`` of the slots are padding, only the others are scored and the padding
+    copies slot 0's value, so the logits are the same, bit for bit, at the cost of the real members alone."""
     b = ids.shape[0]
     slots = ids.view(b, -1, cap)
     kept = slots != slots[..., :1]
     kept[..., 0] = True
     lengths = kept.view(b, -1).sum(1)
-    if ids.numel() - int(lengths.sum()) <= _SKIP_PADDING_SHARE * ids.numel():
-        return _logits_sparse(hidden, weight, ids)
-    values = _sparse_values(hidden, weight, slots[kept], lengths, int(lengths.max()))
+    if ids.numel() - int(lengths.sum()) <= plan.skip_padding_share * ids.numel():
+        return _logits_sparse(hidden, weight, ids, plan)
+    values = _sparse_values(hidden, weight, slots[kept], lengths, int(lengths.max()), plan)
     out = torch.empty(slots.shape, dtype=weight.dtype, device=ids.device).masked_scatter_(kept, values)
     return torch.where(kept, out, out[..., :1]).view(b, -1)
 
@@ -169,14 +180,18 @@ def _logits_gather(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor
 
 
 def _logits_blocked(
-    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_rows: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    plan: CpuPlan = DEFAULT_PLAN,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """``[B, N]`` logits ``weight[ids[b, j]] . hidden[b]`` in the weight's dtype, for CPU dtypes
     without ``sampled_addmm``: per row, blocks of at most ``block_rows`` candidate rows
-    (default: ``_CPU_GATHER_BLOCK_BYTES`` worth) are gathered and scored by one ``mm``."""
+    (default: ``plan.gather_block_bytes`` worth) are gathered and scored by one ``mm``."""
     b, n = ids.shape
     if block_rows is None:
-        block_rows = _CPU_GATHER_BLOCK_BYTES // max(1, weight.shape[1] * weight.element_size())
+        block_rows = plan.gather_block_bytes // max(1, weight.shape[1] * weight.element_size())
     block_rows = max(1, block_rows)
     out = torch.empty((b, n), dtype=weight.dtype, device=weight.device)
     for row in range(b):
@@ -190,7 +205,11 @@ def _logits_blocked(
 
 
 def _logits_union(
-    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_rows: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    plan: CpuPlan = DEFAULT_PLAN,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """:func:`_logits_blocked` of a batch, each head row that some row needs gathered once: the union of the
     batch's ids, in ascending order and blocks of at most ``block_rows`` rows (the same byte budget), is
@@ -199,7 +218,7 @@ def _logits_union(
     instead of ``B`` products by one.  The same values bit for bit where :func:`_mm_columns_exact` holds."""
     b = ids.shape[0]
     if block_rows is None:
-        block_rows = _CPU_GATHER_BLOCK_BYTES // max(1, weight.shape[1] * weight.element_size())
+        block_rows = plan.gather_block_bytes // max(1, weight.shape[1] * weight.element_size())
     block_rows = max(1, block_rows)
     needed = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
     needed[ids.reshape(-1)] = True
@@ -233,16 +252,21 @@ def _mm_columns_exact(dtype: torch.dtype, hidden_size: int) -> bool:
     return exact
 
 
-def _logits_gathered(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _logits_gathered(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, plan: CpuPlan) -> torch.Tensor:
     """``[B, N]`` logits on the CPU path without the sparse op: over the batch's union of ids when it has
     several rows and the values stay those of the row-by-row path, else row by row."""
-    if ids.shape[0] >= _UNION_MIN_ROWS and _mm_columns_exact(weight.dtype, weight.shape[1]):
-        return _logits_union(hidden, weight, ids)
-    return _logits_blocked(hidden, weight, ids)
+    if ids.shape[0] >= plan.union_min_rows and _mm_columns_exact(weight.dtype, weight.shape[1]):
+        return _logits_union(hidden, weight, ids, plan)
+    return _logits_blocked(hidden, weight, ids, plan)
 
 
 def _logits_grouped(
-    hidden: torch.Tensor, weight: torch.Tensor, members: torch.Tensor, probes: torch.Tensor, token_cluster: torch.Tensor
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    members: torch.Tensor,
+    probes: torch.Tensor,
+    token_cluster: torch.Tensor,
+    plan: CpuPlan,
 ) -> torch.Tensor:
     """``[B, P*cap]`` logits as :func:`_logits_sparse` gives them, computed cluster by cluster.
 
@@ -289,7 +313,7 @@ def _logits_grouped(
     # same kernel as the row-by-row path (bit for bit), put after ``values`` (the index of an empty cluster's
     # slots is meaningless).
     filler = slots[..., 0][empty][:1].view(1, 1).expand(b, 1)
-    zero = _logits_sparse(hidden, weight, filler)
+    zero = _logits_sparse(hidden, weight, filler, plan)
     index = torch.where(empty.unsqueeze(-1), nnz + torch.arange(b, device=device).view(b, 1, 1), index)
     return torch.cat([values, zero.view(b)])[index.reshape(b, p * cap)]
 
@@ -302,6 +326,7 @@ def candidate_logits(
     *,
     token_cluster: torch.Tensor | None = None,
     extra_ids: torch.Tensor | None = None,
+    plan: CpuPlan = DEFAULT_PLAN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact logits of every candidate: ``(token_ids [B, P*cap], logits [B, P*cap])``.
 
@@ -313,16 +338,16 @@ def candidate_logits(
     ids = candidate_ids(members, probes)
     if extra_ids is not None:
         ids = torch.cat([ids, extra_ids.to(ids.dtype)], dim=1)
-        return ids, token_logits(hidden, weight, ids)
+        return ids, token_logits(hidden, weight, ids, plan=plan)
     if hidden.device.type != "cpu":
         return ids, _logits_gather(hidden, weight, ids)
     # The CSR pattern allows at most ``V'`` entries per row (only hit when padding duplicates
     # push ``P*cap`` above the head's row count); gather in blocks then.
     if ids.shape[1] <= weight.shape[0] and _sparse_supported(weight.dtype):
-        if token_cluster is not None and ids.shape[0] >= _GROUPED_MIN_ROWS:
-            return ids, _logits_grouped(hidden.contiguous(), weight, members, probes, token_cluster)
-        return ids, _candidates_sparse(hidden.contiguous(), weight, ids, members.shape[1])
-    return ids, _logits_gathered(hidden, weight, ids)
+        if token_cluster is not None and ids.shape[0] >= plan.grouped_min_rows:
+            return ids, _logits_grouped(hidden.contiguous(), weight, members, probes, token_cluster, plan)
+        return ids, _candidates_sparse(hidden.contiguous(), weight, ids, members.shape[1], plan)
+    return ids, _logits_gathered(hidden, weight, ids, plan)
 
 
 def _tokens_grouped(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -352,13 +377,15 @@ def _tokens_grouped(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     return out.view(b, n)
 
 
-def token_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def token_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, plan: CpuPlan = DEFAULT_PLAN
+) -> torch.Tensor:
     """``[B, N]`` exact logits ``weight[ids[b, j]] . hidden[b]`` of any token ids (not a cluster's)."""
     hidden = hidden.to(weight.dtype)
     if hidden.device.type != "cpu":
         return _logits_gather(hidden, weight, ids)
     if ids.shape[1] <= weight.shape[0] and _sparse_supported(weight.dtype):
-        if ids.shape[0] >= _GROUPED_MIN_ROWS:
+        if ids.shape[0] >= plan.grouped_min_rows:
             return _tokens_grouped(hidden.contiguous(), weight, ids)
-        return _logits_sparse(hidden.contiguous(), weight, ids)
-    return _logits_gathered(hidden, weight, ids)
+        return _logits_sparse(hidden.contiguous(), weight, ids, plan)
+    return _logits_gathered(hidden, weight, ids, plan)

@@ -1,37 +1,28 @@
-"""`bench/experiments/row_split.py` on a tiny head: both ways measured, and the cut restored whatever happens."""
+"""`bench/experiments/row_split.py` on a tiny head: both ways measured, each on its own plan."""
 
 from __future__ import annotations
 
 import argparse
 
-import pytest
-
 from bench.experiments import row_split
 from my_pkg.flashhead.kernels import torch_ref
 
 
-def test_both_ways_are_timed_and_the_cut_is_restored(monkeypatch):
+def test_both_ways_are_timed(monkeypatch):
     monkeypatch.setattr(row_split.torch, "get_num_threads", lambda: 4)
-    monkeypatch.setattr(torch_ref, "_MIN_IDS_PER_PART", 16)  # a tiny head's 128 candidates cut in 4 pieces
+    plan = torch_ref.CpuPlan(min_ids_per_part=16)  # a tiny head's 128 candidates cut in 4 pieces
     args = argparse.Namespace(hidden=32, vocab=1024, batches=[1, 8], repeats=1, rounds=2)
-    before = torch_ref._MIN_IDS_PER_PART
-    rows = row_split.run(args)
-    assert torch_ref._MIN_IDS_PER_PART == before
+    rows = row_split.run(args, plan)
     assert [r["batch"] for r in rows] == [1, 8] and [r["parts"] for r in rows] == [4, 1]
     for row in rows:
         assert all(row[f"{kind} {way}"] > 0 for kind in row_split.KINDS for way in ("cut", "whole"))
 
 
-def test_the_cut_is_restored_when_a_step_fails(monkeypatch):
-    before = torch_ref._MIN_IDS_PER_PART
-    step_logits = row_split.FlashHead.step_logits
-
-    def fail_once_uncut(self, *args, **kwargs):  # the "whole" way's first step
-        if torch_ref._MIN_IDS_PER_PART != before:
-            raise RuntimeError("boom")
-        return step_logits(self, *args, **kwargs)
-
-    monkeypatch.setattr(row_split.FlashHead, "step_logits", fail_once_uncut)
-    with pytest.raises(RuntimeError):
-        row_split.run(argparse.Namespace(hidden=32, vocab=1024, batches=[1], repeats=1, rounds=1))
-    assert torch_ref._MIN_IDS_PER_PART == before
+def test_the_whole_way_cuts_no_row(monkeypatch):
+    monkeypatch.setattr(row_split.torch, "get_num_threads", lambda: 4)
+    parts = []
+    row_parts = torch_ref._row_parts
+    monkeypatch.setattr(torch_ref, "_row_parts", lambda *a: parts.append(row_parts(*a)) or parts[-1])
+    args = argparse.Namespace(hidden=32, vocab=1024, batches=[1], repeats=1, rounds=1)
+    row_split.run(args, torch_ref.CpuPlan(min_ids_per_part=16))
+    assert 4 in parts and 1 in parts  # the cut way's pieces, and the whole way's one

@@ -1,5 +1,5 @@
-"""`bench/experiments/union_rows.py` on a tiny head: both ways timed with the same logits, the switch restored whatever
-happens, and the union's share measured on what the rows really score."""
+"""`bench/experiments/union_rows.py` on a tiny head: both ways timed with the same logits, each way on its own plan,
+and the union's share measured on what the rows really score."""
 
 from __future__ import annotations
 
@@ -17,10 +17,8 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
-def test_both_ways_are_timed_and_the_switch_is_restored():
-    before = torch_ref._UNION_MIN_ROWS
+def test_both_ways_are_timed_with_the_same_logits():
     rows = union_rows.run(_args())
-    assert torch_ref._UNION_MIN_ROWS == before
     assert [(r["shared"], r["batch"]) for r in rows] == [(0.0, 1), (0.0, 4), (0.9, 1), (0.9, 4)]
     for row in rows:
         assert all(row[f"{kind} {way}"] > 0 for kind in union_rows.KINDS for way in union_rows.WAYS)
@@ -33,19 +31,19 @@ def test_both_ways_are_timed_and_the_switch_is_restored():
     assert by_key[(0.9, 4)]["greedy share"] < by_key[(0.0, 4)]["greedy share"]
 
 
-def test_the_switch_is_restored_when_a_step_fails(monkeypatch):
-    before = torch_ref._UNION_MIN_ROWS
-    step_logits = union_rows.FlashHead.step_logits
-
-    def fail_row_by_row(self, *args, **kwargs):
-        if torch_ref._UNION_MIN_ROWS != before:
-            raise RuntimeError("boom")
-        return step_logits(self, *args, **kwargs)
-
-    monkeypatch.setattr(union_rows.FlashHead, "step_logits", fail_row_by_row)
-    with pytest.raises(RuntimeError):
-        union_rows.run(_args(batches=[4], shared=[0.0]))
-    assert torch_ref._UNION_MIN_ROWS == before
+def test_the_rows_way_scores_no_union(monkeypatch):
+    unions = []
+    union = torch_ref._logits_union
+    monkeypatch.setattr(torch_ref, "_logits_union", lambda *a, **kw: unions.append(1) or union(*a, **kw))
+    monkeypatch.setattr(torch_ref, "_mm_columns_exact", lambda dtype, hidden_size: True)
+    head = union_rows._head(1024, 32, torch.bfloat16)
+    hidden = torch.randn(4, 32).bfloat16()
+    head.cpu_plan = torch_ref.CpuPlan(union_min_rows=1 << 30)
+    head.step_logits(hidden)
+    assert unions == []
+    head.cpu_plan = None
+    head.step_logits(hidden)
+    assert unions == [1]
 
 
 def test_the_share_counts_distinct_ids_over_all_ids():

@@ -21,11 +21,20 @@ def _hidden(rows: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed))
 
 
-def _row_by_row(monkeypatch, fn):
-    """``fn()`` with the grouped path switched off (every batch scored row by row)."""
-    with monkeypatch.context() as m:
-        m.setattr(torch_ref, "_GROUPED_MIN_ROWS", 1 << 30)
+def _planned(head: FlashHead, plan: torch_ref.CpuPlan, fn):
+    """``fn()`` with ``head`` on ``plan``, then back on its own."""
+    own = head.cpu_plan
+    head.cpu_plan = plan
+    try:
         return fn()
+    finally:
+        head.cpu_plan = own
+
+
+#: The grouped path switched off: every batch scored row by row.
+ROW_BY_ROW = torch_ref.CpuPlan(grouped_min_rows=1 << 30)
+#: No union: every batch of a dtype without the sparse op scored row by row.
+ROWS_ALONE = torch_ref.CpuPlan(union_min_rows=1 << 30)
 
 
 @pytest.mark.parametrize("rows", [2, 3, 8, 64])
@@ -35,7 +44,7 @@ def test_grouped_candidate_logits_equal_the_row_by_row_ones_bit_for_bit(monkeypa
     hidden = _hidden(rows, seed=rows)
     probes = head.select_probes(hidden)
     grouped_ids, grouped = head.candidate_logits(hidden, probes)
-    ids, per_row = _row_by_row(monkeypatch, lambda: head.candidate_logits(hidden, probes))
+    ids, per_row = _planned(head, ROW_BY_ROW, lambda: head.candidate_logits(hidden, probes))
     assert torch.equal(grouped_ids, ids)
     assert torch.equal(grouped, per_row)  # bit for bit, not within a tolerance
     reference = torch.stack([head.weight[ids[r]].double() @ hidden[r].double() for r in range(rows)])
@@ -49,7 +58,7 @@ def test_step_logits_of_a_batch_equal_the_row_by_row_path_bit_for_bit(monkeypatc
     mask = {"greedy": np.zeros(16, bool), "sampled": np.ones(16, bool), "mixed": np.arange(16) % 3 == 0}[sampled]
     pinned = torch.tensor([0, 7, VOCAB - 1])
     got = head.step_logits(hidden, sampled=mask, pinned=pinned)
-    want = _row_by_row(monkeypatch, lambda: head.step_logits(hidden, sampled=mask, pinned=pinned))
+    want = _planned(head, ROW_BY_ROW, lambda: head.step_logits(hidden, sampled=mask, pinned=pinned))
     assert torch.equal(got, want)
     # Each row as it would be served alone: the same candidates, the same exact logits on them.
     for row in range(16):
@@ -93,23 +102,16 @@ def test_a_head_with_empty_clusters_scores_a_batch_cluster_by_cluster_with_the_s
     grouped = torch_ref._logits_grouped
     monkeypatch.setattr(torch_ref, "_logits_grouped", lambda *a: calls.append(1) or grouped(*a))
     ids, logits = head.candidate_logits(hidden, probes)
-    assert calls  # scored cluster by cluster
-    _, per_row = _row_by_row(monkeypatch, lambda: head.candidate_logits(hidden, probes))
+    assert calls == [1]  # scored cluster by cluster
+    _, per_row = _planned(head, ROW_BY_ROW, lambda: head.candidate_logits(hidden, probes))
+    assert calls == [1]  # the plan given to the head scored row by row
     assert torch.equal(logits, per_row)
     torch.testing.assert_close(logits, torch.stack([weight[ids[r]] @ hidden[r] for r in range(rows)]))
 
 
-def _rows_alone(monkeypatch, fn):
-    """``fn()`` with every batch of a dtype without the sparse op scored row by row (no union)."""
-    with monkeypatch.context() as m:
-        m.setattr(torch_ref, "_UNION_MIN_ROWS", 1 << 30)
-        return fn()
-
-
 @pytest.mark.parametrize("rows", [2, 3, 6])
 def test_dtypes_without_the_sparse_kernel_score_a_batch_over_the_union_of_its_ids(monkeypatch, rows):
-    monkeypatch.setattr(torch_ref, "_UNION_MIN_ROWS", 3)
-    head = _head(torch.bfloat16)
+    head = _head(torch.bfloat16, cpu_plan=torch_ref.CpuPlan(union_min_rows=3))
     hidden = _hidden(rows).bfloat16()
     probes = head.select_probes(hidden)
     gathered = []
@@ -136,12 +138,12 @@ def test_the_union_gives_each_row_its_own_ids_logits(dtype, block_rows):
     ids[1] = ids[0]  # two rows with the same ids
     ids[2, :30] = ids[2, 30]  # repeated ids within a row (cluster padding)
     ids[4, :] = 299  # one id only, the head's last row
-    out = torch_ref._logits_union(hidden, weight, ids, block_rows)
+    out = torch_ref._logits_union(hidden, weight, ids, block_rows=block_rows)
     assert out.shape == (5, 90) and out.dtype == dtype
     exact = torch.einsum("bnh,bh->bn", weight[ids].double(), hidden.double())
     torch.testing.assert_close(out.double(), exact, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
     if torch_ref._mm_columns_exact(dtype, 48):  # what the serving path asks before taking the union
-        assert torch.equal(out, torch_ref._logits_blocked(hidden, weight, ids, block_rows))
+        assert torch.equal(out, torch_ref._logits_blocked(hidden, weight, ids, block_rows=block_rows))
 
 
 @pytest.mark.parametrize("sampled", ["greedy", "sampled", "mixed"])
@@ -153,11 +155,11 @@ def test_a_bfloat16_batch_over_its_union_equals_each_row_alone_bit_for_bit(monke
         # This CPU's product by several columns rounds differently: the batch is scored row by row.
         assert torch.equal(
             head.step_logits(hidden, sampled=mask),
-            _rows_alone(monkeypatch, lambda: head.step_logits(hidden, sampled=mask)),
+            _planned(head, ROWS_ALONE, lambda: head.step_logits(hidden, sampled=mask)),
         )
         return
     got = head.step_logits(hidden, sampled=mask)
-    want = _rows_alone(monkeypatch, lambda: head.step_logits(hidden, sampled=mask))
+    want = _planned(head, ROWS_ALONE, lambda: head.step_logits(hidden, sampled=mask))
     assert torch.equal(got, want)
 
 
@@ -198,7 +200,7 @@ def test_grouped_token_logits_equal_the_row_by_row_ones_bit_for_bit(rows):
     hidden = _hidden(rows, seed=4)
     ids = torch.stack([torch.randperm(VOCAB, generator=torch.Generator().manual_seed(r))[:40] for r in range(rows)])
     grouped = torch_ref.token_logits(hidden, weight, ids)
-    assert torch.equal(grouped, torch_ref._logits_sparse(hidden, weight, ids))
+    assert torch.equal(grouped, torch_ref._logits_sparse(hidden, weight, ids, torch_ref.DEFAULT_PLAN))
     torch.testing.assert_close(grouped, torch.einsum("bnh,bh->bn", weight[ids], hidden), rtol=1e-5, atol=1e-5)
 
 
@@ -230,15 +232,15 @@ def test_a_batch_with_fewer_rows_than_threads_is_cut_for_them_with_the_same_logi
     weight = torch.randn(VOCAB + PAD, HIDDEN, generator=torch.Generator().manual_seed(5))
     hidden = _hidden(rows, seed=7)
     ids = torch.stack([torch.randperm(VOCAB, generator=torch.Generator().manual_seed(r))[:301] for r in range(rows)])
-    monkeypatch.setattr(torch_ref, "_MIN_IDS_PER_PART", 30)
+    plan = torch_ref.CpuPlan(min_ids_per_part=30)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    assert torch_ref._row_parts(rows, ids.shape[1]) == 8 // rows
-    cut = torch_ref._logits_sparse(hidden, weight, ids)
-    head = _head(n_probes=21)
+    assert torch_ref._row_parts(rows, ids.shape[1], plan) == 8 // rows
+    cut = torch_ref._logits_sparse(hidden, weight, ids, plan)
+    head = _head(n_probes=21, cpu_plan=plan)
     step_cut = head.step_logits(hidden, sampled=np.arange(rows) % 2 == 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert torch_ref._row_parts(rows, ids.shape[1]) == 1
-    assert torch.equal(cut, torch_ref._logits_sparse(hidden, weight, ids))
+    assert torch_ref._row_parts(rows, ids.shape[1], plan) == 1
+    assert torch.equal(cut, torch_ref._logits_sparse(hidden, weight, ids, plan))
     assert torch.equal(step_cut, head.step_logits(hidden, sampled=np.arange(rows) % 2 == 1))
     torch.testing.assert_close(cut, torch.einsum("bnh,bh->bn", weight[ids], hidden), rtol=1e-5, atol=1e-5)
 
@@ -261,12 +263,12 @@ def test_a_shards_padded_clusters_score_only_their_members_with_the_same_logits(
         vocab_size=shard,
         n_probes=9,
         allow_empty_clusters=True,
+        cpu_plan=torch_ref.CpuPlan(min_ids_per_part=8),
     )
     hidden = _hidden(rows, seed=11)
     probes = head.select_probes(hidden)
     members = torch.bincount(assignments[:shard], minlength=clusters).clamp(min=1)[probes].sum(1)
     assert int(members.sum()) * 8 < 7 * probes.numel() * head.cluster_size  # mostly padding: the compact path
-    monkeypatch.setattr(torch_ref, "_MIN_IDS_PER_PART", 8)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     scored = []
     values = torch_ref._sparse_values
@@ -274,6 +276,6 @@ def test_a_shards_padded_clusters_score_only_their_members_with_the_same_logits(
     ids, logits = head.candidate_logits(hidden, probes)
     (cols,) = scored
     assert cols.numel() == int(members.sum())  # each real member once, no padding slot
-    padded = torch_ref._logits_sparse(hidden, head.weight, ids)
+    padded = torch_ref._logits_sparse(hidden, head.weight, ids, head.cpu_plan)
     assert torch.equal(logits, padded)  # bit for bit
     torch.testing.assert_close(logits, torch.einsum("bnh,bh->bn", head.weight[ids], hidden), rtol=1e-5, atol=1e-5)

@@ -88,18 +88,18 @@ def test_blocked_gather_matches_per_row_reference(dtype, block_rows):
     hidden = torch.randn(4, 48, generator=g).to(dtype)
     ids = torch.randint(0, 500, (4, 131), generator=g)
     ids[2, :9] = ids[2, 9]  # repeated ids (cluster padding) inside one block
-    out = torch_ref._logits_blocked(hidden, weight, ids, block_rows)
+    out = torch_ref._logits_blocked(hidden, weight, ids, block_rows=block_rows)
     assert out.shape == (4, 131) and out.dtype == dtype
     exact = _exact(hidden, weight, ids)
     assert bool(((out.double() - exact).abs() <= _spacing(exact, dtype) + 1e-4).all())
 
 
-def test_block_size_follows_the_byte_budget(monkeypatch):
+def test_block_size_follows_the_byte_budget():
     head, g = _head(torch.bfloat16)
     hidden = torch.randn(3, head.hidden_size, generator=g).to(torch.bfloat16)
     whole = head.candidate_logits(hidden)[1]
     row_bytes = head.hidden_size * 2
-    monkeypatch.setattr(torch_ref, "_CPU_GATHER_BLOCK_BYTES", 13 * row_bytes)  # many blocks per row
+    head.cpu_plan = torch_ref.CpuPlan(gather_block_bytes=13 * row_bytes)  # many blocks per row
     ids, blocked = head.candidate_logits(hidden)
     assert torch.equal(blocked, whole)
     exact = _exact(hidden, head.weight, ids)
