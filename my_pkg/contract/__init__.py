@@ -6,7 +6,7 @@ model, and the unit tests' fake engine builds its replies from them too, so the 
 This package imports pydantic only (no vLLM, no torch): both halves and the tests can import it anywhere.
 Import its names from here; each module holds one concern:
 
-* `methods`: the worker method names and `WORKER_METHOD_REPLIES`, the registry of their reply models;
+* `methods`: the worker method names and `WORKER_METHODS_CONTRACT`, the registry of their arguments and replies;
 * `replies`: the base of every reply (undeclared keys kept, `extra="allow"`) and a worker's identity;
 * `reasons`: the codes of why FlashHead is not active and why a row is served dense, one line each;
 * `status`: what changes while a worker runs (FlashHead state, counters, step costs, memory);
@@ -34,6 +34,8 @@ from my_pkg.contract.methods import (
     WORKER_INFO,
     WORKER_METHOD_NAMES,
     WORKER_METHOD_REPLIES,
+    WORKER_METHODS_CONTRACT,
+    WorkerMethod,
 )
 from my_pkg.contract.reasons import (
     DENSE_ROW_REASONS,
@@ -115,6 +117,8 @@ __all__ = [
     "WORKER_INFO",
     "WORKER_METHOD_NAMES",
     "WORKER_METHOD_REPLIES",
+    "WORKER_METHODS_CONTRACT",
+    "WorkerMethod",
     "AuditEntry",
     "AuditInput",
     "AuditReply",

@@ -1,11 +1,13 @@
-"""The worker methods: the names passed to `collective_rpc`, and the registry of each one's reply model.
+"""The worker methods: the names passed to `collective_rpc`, and the registry of each one's arguments and reply.
 
-`WORKER_METHOD_REPLIES` pairs every name with its reply model; `WORKER_METHOD_NAMES` is derived from it.
+`WORKER_METHODS_CONTRACT` pairs every name with its `WorkerMethod` (argument names, reply model);
+`WORKER_METHOD_REPLIES` and `WORKER_METHOD_NAMES` are derived from it. A test holds every worker method of the
+engine half (`my_pkg.engine.rpc`) to its entry: the same names, the same arguments in the same order.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NamedTuple
 
 from my_pkg.contract.audit import AuditReply
 from my_pkg.contract.replies import PingReply, RankedReply, WorkerConfig, WorkerIdentity
@@ -35,8 +37,8 @@ FLASHHEAD_APPLY: Final = "my_pkg_flashhead_apply"
 #: `(update: dict, txn: dict) -> PrepareReply`: phase 1 of an update: validate it and take the worker's lease
 #: (`txn` is a `Transaction`); changes no setting.
 FLASHHEAD_PREPARE: Final = "my_pkg_flashhead_prepare"
-#: `(update: dict, txn: dict, entry: dict) -> CommitReply`: phase 2: apply the prepared update, set the version,
-#: keep the audit `entry`, release the lease.
+#: `(settings: dict, txn: dict, entry: dict | None) -> CommitReply`: phase 2: bring the worker to the whole
+#: `settings`, set the version, keep the audit `entry`, release the lease.
 FLASHHEAD_COMMIT: Final = "my_pkg_flashhead_commit"
 #: `(txn: dict, entry: dict | None) -> LeaseReply`: release the lease of `txn` without applying; keep `entry`.
 FLASHHEAD_ABORT: Final = "my_pkg_flashhead_abort"
@@ -47,20 +49,29 @@ AUDIT: Final = "my_pkg_audit"
 CONFIG_SECTIONS: Final = ("scheduler", "model", "cache", "parallel")
 
 
-#: Every worker method of the engine half (the name `collective_rpc` takes) and the model of its reply: the
-#: engine half builds each reply with it, the endpoint half parses each reply with it (`parse_replies` refuses
-#: another), and a test calls every worker method and validates its reply with it.
-WORKER_METHOD_REPLIES: Final[dict[str, type[RankedReply]]] = {
-    PING: PingReply,
-    WORKER_INFO: WorkerIdentity,
-    CONFIG: WorkerConfig,
-    STATUS: WorkerStatus,
-    FLASHHEAD_STATUS: FlashHeadStatus,
-    FLASHHEAD_VALIDATE: ValidationReply,
-    FLASHHEAD_APPLY: CommitReply,
-    FLASHHEAD_PREPARE: PrepareReply,
-    FLASHHEAD_COMMIT: CommitReply,
-    FLASHHEAD_ABORT: LeaseReply,
-    AUDIT: AuditReply,
+class WorkerMethod(NamedTuple):
+    """One worker method: the names of its arguments after the worker (in call order; trailing ones may be
+    optional), and the model of its reply."""
+
+    arguments: tuple[str, ...]
+    reply: type[RankedReply]
+
+
+#: Every worker method of the engine half (the name `collective_rpc` takes), its arguments and the model of its
+#: reply: the engine half builds each reply with it, the endpoint half parses each reply with it (`parse_replies`
+#: refuses another), and tests hold the worker methods' signatures and replies to it.
+WORKER_METHODS_CONTRACT: Final[dict[str, WorkerMethod]] = {
+    PING: WorkerMethod((), PingReply),
+    WORKER_INFO: WorkerMethod((), WorkerIdentity),
+    CONFIG: WorkerMethod(("section",), WorkerConfig),
+    STATUS: WorkerMethod((), WorkerStatus),
+    FLASHHEAD_STATUS: WorkerMethod((), FlashHeadStatus),
+    FLASHHEAD_VALIDATE: WorkerMethod(("update",), ValidationReply),
+    FLASHHEAD_APPLY: WorkerMethod(("update",), CommitReply),
+    FLASHHEAD_PREPARE: WorkerMethod(("update", "txn"), PrepareReply),
+    FLASHHEAD_COMMIT: WorkerMethod(("settings", "txn", "entry"), CommitReply),
+    FLASHHEAD_ABORT: WorkerMethod(("txn", "entry"), LeaseReply),
+    AUDIT: WorkerMethod((), AuditReply),
 }
-WORKER_METHOD_NAMES: Final = tuple(WORKER_METHOD_REPLIES)
+WORKER_METHOD_REPLIES: Final = {name: method.reply for name, method in WORKER_METHODS_CONTRACT.items()}
+WORKER_METHOD_NAMES: Final = tuple(WORKER_METHODS_CONTRACT)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from my_pkg.contract import RPC_PREFIX, WORKER_METHOD_REPLIES
+from my_pkg.contract import WORKER_METHOD_REPLIES, WORKER_METHODS_CONTRACT
 from my_pkg.endpoints.config import DEFAULT_RPC_TIMEOUT, logger
 from my_pkg.endpoints.errors import no_engine_error, unexpected_reply_error
 from my_pkg.endpoints.rpc_failures import classify_rpc_error, engine_dead_error, rpc_timeout_error
@@ -129,8 +129,9 @@ class WorkerClient:
         ``engine``: the index (in :meth:`engine_ranks`) of the one engine to call; None calls every engine.
         Only run it inside a task that :meth:`wait` bounds.
         """
-        if not method.startswith(RPC_PREFIX):  # programming error guard
-            raise ValueError(f"not a {RPC_PREFIX}* worker method: {method}")
+        declared = WORKER_METHODS_CONTRACT.get(method)
+        if declared is None or len(args) > len(declared.arguments):  # programming error guard
+            raise ValueError(f"{method} with {len(args)} argument(s) is not in the contract (WORKER_METHODS_CONTRACT)")
         try:
             if engine is None:
                 result = await self._every_engine(method, tuple(args))

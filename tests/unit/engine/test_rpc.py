@@ -192,6 +192,29 @@ def test_the_worker_methods_are_the_contracts():
     assert all(name.startswith(contract.RPC_PREFIX) for name in contract.WORKER_METHOD_NAMES)
 
 
+@pytest.mark.parametrize("name", sorted(contract.WORKER_METHODS_CONTRACT))
+def test_every_worker_method_takes_the_arguments_the_contract_declares(name):
+    import inspect
+
+    worker, *arguments = inspect.signature(inspect.unwrap(rpc.WORKER_METHODS[name])).parameters.values()
+    assert worker.name == "self"
+    assert tuple(p.name for p in arguments) == contract.WORKER_METHODS_CONTRACT[name].arguments
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in arguments)  # collective_rpc passes args
+    assert len(ARGUMENTS[name]) <= len(arguments)
+
+
+def test_the_endpoint_half_refuses_a_call_the_contract_does_not_declare():
+    import asyncio
+
+    from my_pkg.endpoints.client import WorkerClient
+
+    client = WorkerClient(engine_client=None, rpc_timeout=1.0)
+    with pytest.raises(ValueError, match="my_pkg_ping with 1 argument"):
+        asyncio.run(client.call_unbounded(contract.PING, "extra"))
+    with pytest.raises(ValueError, match="not in the contract"):
+        asyncio.run(client.call_unbounded("my_pkg_undeclared"))
+
+
 def test_the_endpoint_half_refuses_another_reply_model_than_the_contracts():
     from my_pkg.endpoints.client import parse_replies
 
