@@ -39,7 +39,7 @@ format: setup
 test: setup
 	$(VPY) -m pytest -ra
 
-# The inner loop: unit tests without the `slow` ones (about 1 min 45 s on 2 cores). CI runs `make test`.
+# The inner loop: unit tests without the `slow` ones (about 2 min on 2 cores). CI runs `make test`.
 test-fast: setup
 	$(VPY) -m pytest -ra -m "not slow" tests/unit
 
