@@ -56,6 +56,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "admin": ("bench.admin_load", "--seconds", "15", "--write-docs"),
     "admin-1hz": ("bench.admin_load", "--hz", "1", "--write-docs"),
     "top-p": ("bench.top_p",),
+    "compact-fidelity": ("bench.compact_fidelity",),
 }
 
 

@@ -191,6 +191,14 @@ VARIABLES: dict[str, EnvVar] = {
             _ENGINE,
         ),
         EnvVar(
+            "MY_PKG_FLASHHEAD_COMPACT_SAMPLING",
+            True,
+            flag,
+            "0 hands FlashHead's sampled rows to vLLM's sampler as a full row instead of drawing them from the "
+            "compact law",
+            _ENGINE,
+        ),
+        EnvVar(
             "MY_PKG_FAST_TOP_P",
             True,
             flag,

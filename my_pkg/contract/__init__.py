@@ -57,6 +57,7 @@ from my_pkg.contract.replies import (
     WorkerReply,
 )
 from my_pkg.contract.status import (
+    CompactCounters,
     FlashHeadCounters,
     FlashHeadState,
     FlashHeadStatus,
@@ -125,6 +126,7 @@ __all__ = [
     "CommitReply",
     "DenseReason",
     "DenseRowReason",
+    "CompactCounters",
     "FlashHeadCounters",
     "FlashHeadState",
     "FlashHeadStatus",

@@ -36,6 +36,33 @@ class SpecState(WorkerReply):
     )
 
 
+class CompactCounters(WorkerReply):
+    """Sampled rows the plugin drew itself from the compact law (`MY_PKG_FLASHHEAD_COMPACT_SAMPLING`), since start."""
+
+    rows: int = Field(default=0, description="Rows drawn from the compact law (also in `rows_flashhead`).")
+    resolved_clusters: int = Field(
+        default=0, description="Clusters scored exactly at draw time: near a filter's cutoff, or a drawn atom."
+    )
+    over_budget_rows: int = Field(
+        default=0, description="Rows with more clusters near their cutoff than the budget: the lightest stayed atoms."
+    )
+    atom_rows: int = Field(default=0, description="Rows whose token was drawn from an atom (a cluster outside E).")
+    bound_rows: int = Field(default=0, description="Temperature-only rows (no top_k, top_p or min_p).")
+    bound_sum: float = Field(
+        default=0.0,
+        description="Over `bound_rows`: the sum of each row's unbiased estimate of its bound on the total variation "
+        "distance to the dense law (divide by `bound_rows` for the mean bound).",
+    )
+    unmatched_rows: int = Field(
+        default=0,
+        description="Rows planned but not drawn by the plugin (vLLM's sampler got another tensor): vLLM drew them "
+        "from the exact set alone.",
+    )
+    failed_rows: int = Field(
+        default=0, description="Rows whose draw raised: vLLM drew them from the exact set alone (logged once)."
+    )
+
+
 class FlashHeadCounters(WorkerReply):
     """Counters since the worker started; they only grow."""
 
@@ -79,6 +106,7 @@ class FlashHeadCounters(WorkerReply):
         description="Under tensor parallelism: decode steps on which this rank exchanged its best clusters with the "
         "other ranks (the same count on every rank; steps above `dense_batch_threshold` exchange nothing).",
     )
+    compact: CompactCounters = Field(default_factory=CompactCounters)
 
 
 SampledEstimate = Literal["fitted", "weight_only", "off"]

@@ -106,6 +106,17 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         "Sampler calls where the sort-free top-p failed and vLLM's own function served the call.",
         labels=_WORKER,
     )
+    compact_rows = counter("compact_rows", "Sampled rows the plugin drew from the compact law (of path=flashhead).")
+    compact_bound_rows = counter("compact_bound_rows", "Compact rows with temperature only (no top_k, top_p, min_p).")
+    compact_bound = counter(
+        "compact_bound",
+        "Sum over compact_bound_rows of each row's unbiased estimate of its bound on the total variation distance to "
+        "the dense law (divide by compact_bound_rows for the mean bound).",
+    )
+    compact_missed = counter(
+        "compact_missed_rows",
+        "Compact rows vLLM's sampler drew from the exact set alone (not matched, or the draw failed).",
+    )
     age = GaugeMetricFamily(
         "my_pkg_status_snapshot_age_seconds",
         "Seconds since the workers' status these metrics come from was requested.",
@@ -133,6 +144,10 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         rows_masked.add_metric(labels, counters.rows_flashhead_masked)
         rows_draft.add_metric(labels, counters.rows_flashhead_draft)
         exchanges.add_metric(labels, counters.stage1_exchanges)
+        compact_rows.add_metric(labels, counters.compact.rows)
+        compact_bound_rows.add_metric(labels, counters.compact.bound_rows)
+        compact_bound.add_metric(labels, counters.compact.bound_sum)
+        compact_missed.add_metric(labels, counters.compact.unmatched_rows + counters.compact.failed_rows)
         available.add_metric(labels, state.available)
         enabled.add_metric(labels, state.enabled)
         active.add_metric(labels, state.active)
@@ -170,6 +185,10 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         top_p_rows,
         top_p_sorted,
         top_p_failures,
+        compact_rows,
+        compact_bound_rows,
+        compact_bound,
+        compact_missed,
         age,
     ]
 

@@ -37,6 +37,8 @@ class FlashHeadSettings:
     backend: str
     cluster_rows: bool | None  # the head's `cluster_rows`: None where it helps (a CPU head), False never
     fidelity_every: int  # check one FlashHead row in this many against the dense head; 0 = off
+    # Sampled rows drawn by the plugin from the compact law (`my_pkg.flashhead.compact_law`) where they qualify.
+    compact_sampling: bool = True
 
 
 def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashHeadSettings:
@@ -63,6 +65,7 @@ def default_settings(config: dict[str, Any], num_clusters: int | None) -> FlashH
         backend=env.MY_PKG_FLASHHEAD_BACKEND,
         cluster_rows=None if env.MY_PKG_FLASHHEAD_CLUSTER_ROWS else False,
         fidelity_every=env.MY_PKG_FLASHHEAD_FIDELITY_EVERY,
+        compact_sampling=env.MY_PKG_FLASHHEAD_COMPACT_SAMPLING,
     )
 
 

@@ -89,6 +89,10 @@ def test_a_requests_text_does_not_depend_on_its_neighbours(fh, flashhead_server)
     assert 0 < masked < served, (masked, served, after["step_costs"]["served"])  # both ways served some steps
     assert after["recent"]["rows_flashhead_greedy"] > 0 and after["recent"]["rows_flashhead_sampled"] > 0
     assert counters["fallbacks"] == before["fallbacks"]
+    # The seeded request's rows were drawn by the plugin from the compact law, every plan taken by vLLM's sampler.
+    compact = counters["compact"]
+    assert compact["rows"] > before["compact"]["rows"], compact
+    assert compact["unmatched_rows"] == compact["failed_rows"] == 0, compact
 
 
 def _stream(http, body: dict, arrivals: list[float]) -> None:

@@ -36,13 +36,10 @@ import numpy as np
 import torch
 
 from my_pkg.contract import FlashHeadState, FlashHeadUpdate, ReasonCode, SpecState, StepCostsReport
-from my_pkg.engine.flashhead import build, exchange, report, step, updates
+from my_pkg.engine.flashhead import build, compact_step, exchange, report, step, updates
 from my_pkg.engine.flashhead.availability import cluster_shape, read_assets, unavailability
 from my_pkg.engine.flashhead.pins import PinnedRows
-from my_pkg.engine.flashhead.report import (
-    log_step_costs,
-    step_costs_report,
-)
+from my_pkg.engine.flashhead.report import log_step_costs, step_costs_report
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.telemetry import Counters, Fallbacks, FidelityCheck, HeadTimer, RecentSteps
 from my_pkg.engine.flashhead.timing import StepWays
@@ -95,6 +92,9 @@ class FlashHeadController:
         self.spec: SpecState | None = None  # speculative decoding's parts (`flashhead/spec.py`), set by its maker
         #: Under speculative decoding, the drafter's own controller when FlashHead serves its head (`draft.py`).
         self.draft: FlashHeadController | None = None
+        #: The last step's compact rows, until the sampler hook draws them (`compact_step.py`).
+        self.compact = compact_step.PlanSlot(self.counters)
+        self._served = compact_step.Served(self.counters, self.recent, self._timer, self._fidelity, self.compact)
         self._centroids, self._assignments = centroids, assignments
         reason = unavailability(centroids, assignments, vocab_size, unavailable)
         self.unavailable_code: ReasonCode | None = reason[0] if reason is not None else None
@@ -299,6 +299,7 @@ class FlashHeadController:
         `exchanged` (tensor parallelism, `[rows, tp * width]`): every rank's `stage1_payload` of this step."""
         num_rows = hidden.shape[0]
         self.counters.steps += 1
+        self.compact.drop()  # a plan the sampler never took: its rows were drawn by vLLM
         exchange_missing = self.stage1 is not None and exchanged is None  # the exchange did not happen here
         reason = step.all_dense_reason(rows, num_rows, self.settings, self.head is not None, exchange_missing)
         if reason is not None:
@@ -307,6 +308,11 @@ class FlashHeadController:
         if dense_rows.size == num_rows:
             return dense(hidden)
 
+        compact = compact_step.rows_to_draw(rows, self.settings, self.head, self.vocab_range)
+        if compact is not None:  # always FlashHead's kernels: the law of a row drawn by the plugin
+            pins = self._pins.get(rows.stop_ids, self.head.weight) if self._pins is not None else None
+            args = (hidden, rows, compact, dense_rows, dense, pins, postprocess, self._served, self._checked_every())
+            return compact_step.serve(self.head, *args)
         timed = self.ways.timed
         started = time.perf_counter() if timed else 0.0
         flash = step.FlashRows(hidden, rows, dense_rows)
@@ -319,20 +325,10 @@ class FlashHeadController:
         # The live fidelity check, not under tensor parallelism: a shard's best token says nothing of the row's.
         check = (self._fidelity, self.settings.fidelity_every) if self.vocab_range is None else None
         logits = step.serve(
-            way,
-            self.head,
-            hidden,
-            flash,
-            dense_rows,
-            dense,
-            probe_sampling=self.settings.probe_sampling,
-            pinned_rows=self._pins,
-            stop_ids=rows.stop_ids,
-            postprocess=postprocess,
-            probes=probes,
-            timer=self._timer,
+            way, self.head, hidden, flash, dense_rows, dense, probe_sampling=self.settings.probe_sampling,
+            pinned_rows=self._pins, stop_ids=rows.stop_ids, postprocess=postprocess, probes=probes, timer=self._timer,
             check=check,
-        )
+        )  # fmt: skip
         step.count_served(self.counters, self.recent, rows, greedy, num_sampled, num_dense, way == "masked")
         if timed:
             self.ways.observe(greedy, num_sampled, num_dense, way, time.perf_counter() - started)

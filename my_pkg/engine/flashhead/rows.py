@@ -213,6 +213,11 @@ class StepRows:
     verify_rows: np.ndarray | None = None
     #: Set when the whole step is served dense for this reason (a `StepDenseReason`), whatever its rows ask.
     all_dense: str | None = None
+    #: The rows the plugin may draw from the compact law (sampled, no penalty, no dense reason; None: none), with
+    #: each row's temperature and min_p as vLLM's sampler applies them.
+    compact: np.ndarray | None = None
+    temperature: np.ndarray | None = None
+    min_p: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from my_pkg.contract import FlashHeadCounters, RecentRows
+from my_pkg.contract import CompactCounters, FlashHeadCounters, RecentRows
 from my_pkg.flashhead.staging import index_tensor
 
 __all__ = ["Counters", "Fallbacks", "FidelityCheck", "HeadTimer", "RecentSteps"]
@@ -86,6 +86,7 @@ class Counters:
     rows_flashhead_verify: int = 0  # of rows_flashhead: speculative decoding's verify rows
     rows_flashhead_masked: int = 0  # of rows_flashhead: FlashHead's answer made from the dense product
     stage1_exchanges: int = 0  # under tensor parallelism: armed steps whose best clusters this rank exchanged
+    compact: Counter = field(default_factory=Counter)  # `contract.CompactCounters`' fields -> values
 
     def snapshot(self, draft: Counters | None = None) -> FlashHeadCounters:
         """The contract's counters; `draft`: the drafter's FlashHead head's own counters under speculative
@@ -105,6 +106,9 @@ class Counters:
             stage1_exchanges=self.stage1_exchanges,
             rows_flashhead_draft=draft.rows_flashhead if draft is not None else 0,
             rows_dense_draft=sum(draft.rows_dense.values()) if draft is not None else 0,
+            compact=CompactCounters.model_validate(
+                {name: round(value, 6) if isinstance(value, float) else value for name, value in self.compact.items()}
+            ),
         )
 
 

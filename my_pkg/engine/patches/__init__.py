@@ -16,6 +16,8 @@ raises), and is idempotent. Two moments install them:
      FlashHead; correct whatever `self` it is called with (vLLM's LoRA wrapper).
    - `model_runner`: which logits call is the decode step of the V1 GPU/CPU model runner, what
      each row asked for, and the head built right after the weights load.
+   - `compact_sampler`: the V1 sampler draws FlashHead's compact sampled rows from their compact law
+     (`my_pkg.engine.flashhead.compact_step`); off with `MY_PKG_FLASHHEAD_COMPACT_SAMPLING=0`.
    - `model_runner_v2`: the same for Model Runner V2 (the CUDA default).
    - `spec_proposer`: FlashHead as the drafter's head under speculative decoding (a draft model that
      is itself a FlashHead checkpoint): vLLM's `SpecDecodeBaseProposer`.
@@ -39,7 +41,14 @@ logger = logging.getLogger(f"vllm.{__name__}")
 #: Applied by `my_pkg.engine.register()` in every process.
 PATCHES = ("worker", "model_registry", "top_p_sampler")
 #: Installed by `on_flashhead_model()`, once a FlashHead model is about to be built.
-FLASHHEAD_HOOKS = ("logits_processor", "model_loader", "model_runner", "model_runner_v2", "spec_proposer")
+FLASHHEAD_HOOKS = (
+    "logits_processor",
+    "model_loader",
+    "model_runner",
+    "compact_sampler",
+    "model_runner_v2",
+    "spec_proposer",
+)
 
 _NOT_TRIED = "not installed (no FlashHead architecture was resolved in this process)"
 #: The V1 runner's speculative-decoding metadata hook (`model_runner.py` records it, `setup.py` reads it).

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from my_pkg.engine.flashhead.rows import DenseReason, StepRows
-from my_pkg.engine.patches import SPEC_METADATA_HOOK, hook_error, record_hook_error
+from my_pkg.engine.patches import SPEC_METADATA_HOOK, compact_sampler, hook_error, record_hook_error
 from my_pkg.engine.patches.runner_hooks import (
     classify,
     controller_of_runner,
@@ -52,11 +52,19 @@ VLLM_SYMBOLS = (
     symbol("vllm.v1.worker.gpu_input_batch:InputBatch.add_request", "method", params=("self", "request")),
     symbol("vllm.v1.worker.gpu_input_batch:InputBatch.remove_request", "method", params=("self", "req_id")),
     *attributes(
-        "vllm.v1.worker.gpu_input_batch:InputBatch", "num_reqs", "req_id_to_index", "temperature_cpu", "logitsprocs"
+        "vllm.v1.worker.gpu_input_batch:InputBatch",
+        "num_reqs",
+        "req_id_to_index",
+        "temperature_cpu",
+        "logitsprocs",
+        "presence_penalties_cpu",
+        "frequency_penalties_cpu",
+        "repetition_penalties_cpu",
     ),
     *attributes("vllm.v1.worker.gpu_input_batch:CachedRequestState", "req_id", "sampling_params"),
     *attributes("vllm.v1.sample.logits_processor.state:LogitsProcessors", "all"),
     symbol("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor", "class"),
+    *attributes("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor", "min_p_cpu"),
     symbol("vllm.v1.sample.logits_processor.builtin:LogitBiasLogitsProcessor", "class"),
     symbol("vllm.v1.sample.logits_processor.builtin:MinTokensLogitsProcessor", "class"),
     symbol("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model", "method", params=("self",)),
@@ -79,6 +87,8 @@ _STOP_TABLE = "_my_pkg_stop_token_ids"
 _BUILTIN_LOGITS_PROCESSORS = ("MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
 #: Where the step's `(num_draft_tokens, SpecDecodeMetadata)` is kept on the runner, cleared every step.
 _SPEC_STASH = "_my_pkg_spec_step"
+#: The sampler hook that draws compact rows (`compact_sampler.py`): without it no row is compact.
+COMPACT_SAMPLER_HOOK = "compact_sampler"
 
 
 def spec_hook_error() -> str | None:
@@ -110,14 +120,45 @@ def step_rows(input_batch: Any) -> StepRows:
         stop_ids = union_stop_ids(
             ids for req_id, ids in stops.items() if (row := index_of.get(req_id)) is not None and row < num_rows
         )
-    # Seeded rows are sampled rows too: FlashHead's logits draw nothing at random, so the seed reproduces.
-    sampled = np.asarray(input_batch.temperature_cpu[:num_rows]) > 0.0
-    return StepRows(dense_codes=codes, sampled=sampled, stop_ids=stop_ids)
+    temperature = np.asarray(input_batch.temperature_cpu[:num_rows], dtype=np.float32)
+    sampled = temperature > 0.0
+    min_p, compact = None, None
+    try:
+        min_p = _min_p(input_batch, num_rows)
+        if min_p is not None and sampled.any():
+            compact = sampled & (codes == 0) & _without_penalties(input_batch, num_rows)
+    except Exception as exc:  # noqa: BLE001 - no compact rows: vLLM's sampler draws them all
+        warn_once("compact rows", exc)
+    return StepRows(
+        dense_codes=codes, sampled=sampled, stop_ids=stop_ids, compact=compact, temperature=temperature, min_p=min_p
+    )
+
+
+def _min_p(input_batch: Any, num_rows: int) -> np.ndarray | None:
+    """Each row's min_p, from vLLM's min-p logits processor (None when it cannot be read: no compact rows)."""
+    for processor in getattr(getattr(input_batch, "logitsprocs", None), "all", ()):
+        if type(processor).__name__ == "MinPLogitsProcessor":
+            values = getattr(processor, "min_p_cpu", None)
+            return None if values is None else np.asarray(values[:num_rows], dtype=np.float32)
+    return None
+
+
+def _without_penalties(input_batch: Any, num_rows: int) -> np.ndarray:
+    """Rows with no presence, frequency or repetition penalty (vLLM would penalise only their exact tokens)."""
+    return (
+        (np.asarray(input_batch.presence_penalties_cpu[:num_rows]) == 0.0)
+        & (np.asarray(input_batch.frequency_penalties_cpu[:num_rows]) == 0.0)
+        & (np.asarray(input_batch.repetition_penalties_cpu[:num_rows]) == 1.0)
+    )
 
 
 def runner_step_rows(runner: Any) -> StepRows:
     """The rows of the runner's current step: one per request, or the speculative-decoding layout."""
     rows = step_rows(runner.input_batch)
+    if rows.compact is not None and (
+        hook_error(COMPACT_SAMPLER_HOOK) is not None or not compact_sampler.usable(runner)
+    ):
+        rows.compact = None
     speculative_config = getattr(runner, "speculative_config", None)
     if speculative_config is None:
         return rows

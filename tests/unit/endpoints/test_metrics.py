@@ -65,6 +65,10 @@ async def test_metrics_route(app, client_for):
                 "rows_masked",
                 "rows_draft",
                 "stage1_exchanges",
+                "compact_rows",
+                "compact_bound_rows",
+                "compact_bound",
+                "compact_missed_rows",
             )
         },
         **{
@@ -128,6 +132,15 @@ def test_a_flashhead_drafter_has_its_rows_and_probe_count():
     assert found[("my_pkg_flashhead_draft_n_probes", L(rank="0"))] == 12
     without = samples(render(_snapshot()).decode())
     assert not any(name == "my_pkg_flashhead_draft_n_probes" for name, _ in without)
+
+
+def test_compact_rows_have_their_rows_bound_and_missed_rows():
+    compact = {"rows": 40, "bound_rows": 10, "bound_sum": 0.25, "unmatched_rows": 2, "failed_rows": 1}
+    found = samples(render(_snapshot(counters={"compact": compact})).decode())
+    assert found[("my_pkg_flashhead_compact_rows_total", L(rank="0"))] == 40
+    assert found[("my_pkg_flashhead_compact_bound_rows_total", L(rank="0"))] == 10
+    assert found[("my_pkg_flashhead_compact_bound_total", L(rank="0"))] == 0.25
+    assert found[("my_pkg_flashhead_compact_missed_rows_total", L(rank="0"))] == 3
 
 
 def test_the_sort_free_top_p_has_its_rows_where_it_is_in_place():

@@ -96,6 +96,7 @@ def test_register_applies_every_patch_once_and_imports_lazily():
         "logits_processor": None,
         "model_loader": None,
         "model_runner": None,
+        "compact_sampler": None,
         "model_runner_v2": None,
         "spec_proposer": None,
     }

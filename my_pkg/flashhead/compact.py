@@ -1,0 +1,174 @@
+"""The head side of a compact sampled row: the clusters it scores exactly, the others as atoms, and the placeholder
+row handed to the sampler.
+
+Contract: for sampled rows at temperatures ``T``, :meth:`CompactHead.plan` scores a rank-``r`` estimate of every
+token (:mod:`~my_pkg.flashhead.tail_estimate`), sums it per cluster into the cluster's estimated mass
+``M̂_c = Σ exp(estimate_v / T)`` (members outside the pinned ids), scores exactly the members of the ``clusters``
+clusters with the largest ``M̂_c`` and the pinned ids (the exact set ``E``), and returns
+
+* the placeholder: ``[B, V]`` logits, exact on ``E`` and ``-inf`` elsewhere, for vLLM's own processing (min_tokens,
+  temperature, min_p act on it as on any row);
+* :class:`CompactRows`: ``E``'s ids and validity, and each other cluster's ``log M̂_c`` (already divided by ``T``):
+  the atoms the draw (:mod:`~my_pkg.flashhead.compact_law`) samples from.
+
+:meth:`CompactHead.resolve` scores a row's clusters exactly when the draw needs their members (a drawn atom, a
+cluster near a filter's cutoff).  No ``[B, V]`` estimate is sorted or scattered, and no top-k runs over ``V``.
+
+Imports torch only; the head reaches it as an argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .layout import hidden_major, linear
+from .tail_estimate import TailTables
+
+if TYPE_CHECKING:
+    from .head import FlashHead, PinnedIds
+
+__all__ = ["CompactHead", "CompactRows", "compact_clusters"]
+
+PostProcess = Callable[[torch.Tensor], torch.Tensor]
+
+
+def compact_clusters(head: FlashHead) -> int:
+    """Clusters a compact row scores exactly: as many rows as a sampled row of today's law scores
+    (``sampled_n_probes`` clusters and ``sampled_rescore`` tokens), in whole clusters, at least one."""
+    rescored = -(-head.sampled_rescore // head.cluster_size)
+    return max(1, min(head.num_clusters, head.sampled_n_probes + rescored))
+
+
+@dataclass
+class CompactRows:
+    """What the draw needs of a step's compact rows (``B`` rows, on the head's device).
+
+    ``exact_ids`` ``[B, N]``: the exact set ``E`` (the chosen clusters' members, then the pinned ids); ``exact_valid``
+    marks each id's first appearance (padding slots and pinned ids inside a chosen cluster are repeats).
+    ``atom_log_mass`` ``[B, C]`` float32: ``log M̂_c / T`` of every cluster outside ``E``, ``-inf`` for the chosen
+    ones and clusters with no member left; ``atom_log_size`` ``[C]``: the log of each cluster's member count.
+    """
+
+    hidden: torch.Tensor
+    temperature: torch.Tensor
+    exact_ids: torch.Tensor
+    exact_valid: torch.Tensor
+    atom_log_mass: torch.Tensor
+    atom_log_size: torch.Tensor
+    postprocess: PostProcess
+    pinned: torch.Tensor | None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+class CompactHead:
+    """A head's compact rows: the cluster map's real slots and the estimate's table in cluster order (made once per
+    table), and the two calls of the module docstring."""
+
+    def __init__(self, head: FlashHead) -> None:
+        self.head = head
+        members = head.members
+        slots = torch.arange(members.shape[1], device=members.device)
+        # `build_members` pads a short cluster with its first member: a slot past the first repeating it is padding.
+        self.member_valid = (slots == 0) | (members != members[:, :1])
+        self.log_size = self.member_valid.sum(1).float().log()
+        self._table: tuple[TailTables, torch.Tensor] | None = None
+        self._pinned: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the estimate's table in cluster order (once made)."""
+        return self._table[1].numel() * self._table[1].element_size() if self._table is not None else 0
+
+    def _estimates_by_cluster(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, C * cap]`` the estimate of every cluster slot: the head's table read in cluster order, so that no
+        ``[B, V]`` estimate is gathered."""
+        tables = self.head.estimate.tables()
+        if self._table is None or self._table[0] is not tables:
+            self._table = (tables, hidden_major(tables.projected[self.head.members.reshape(-1)]))
+        return linear(hidden.to(tables.basis.dtype) @ tables.basis, self._table[1])
+
+    def _excluded(self, pinned: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(is_pinned [V] or None, slots [K])``: the pinned ids as a mask, and the flat cluster slots that are no
+        atom's member (padding, pinned ids); remembered for the last pinned tensor."""
+        if self._pinned is not None and self._pinned[0] is pinned:
+            return self._pinned[1], self._pinned[2]
+        invalid = ~self.member_valid
+        is_pinned = None
+        if pinned is not None and pinned.numel():
+            is_pinned = torch.zeros(self.head.vocab_size, dtype=torch.bool, device=pinned.device)
+            is_pinned.index_fill_(0, pinned, True)
+            invalid = invalid | is_pinned[self.head.members]
+        slots = torch.nonzero(invalid.reshape(-1)).flatten()
+        self._pinned = (pinned, is_pinned, slots)
+        return is_pinned, slots
+
+    def plan(
+        self,
+        hidden: torch.Tensor,
+        temperature: torch.Tensor,
+        *,
+        pinned: PinnedIds | None,
+        postprocess: PostProcess,
+        clusters: int,
+    ) -> tuple[torch.Tensor, CompactRows]:
+        """``(placeholder [B, V], rows)`` for sampled rows ``hidden`` ``[B, H]`` at ``temperature`` ``[B]`` (> 0);
+        ``pinned``: ids scored exactly on every row and never part of an atom; ``clusters``: how many are exact."""
+        head = self.head
+        hidden = head.check_hidden(hidden)
+        head.candidate_rows.refresh()
+        temperature = temperature.to(hidden.device, torch.float32)
+        temperature = temperature.view(-1, 1)
+        per_member = postprocess(self._estimates_by_cluster(hidden)).float().div_(temperature)
+        pinned_ids = pinned.ids if pinned is not None else None
+        is_pinned, excluded = self._excluded(pinned_ids)
+        if excluded.numel():
+            per_member.index_fill_(1, excluded, float("-inf"))
+        log_mass = torch.logsumexp(per_member.view(hidden.shape[0], *head.members.shape), dim=2)  # [B, C]
+        chosen = log_mass.topk(min(clusters, head.num_clusters), dim=1).indices
+        ids, exact = head.candidate_rows.candidate_logits(hidden, chosen)
+        exact = postprocess(exact)
+        valid = self.member_valid[chosen].reshape(ids.shape)
+        if is_pinned is not None:
+            valid &= ~is_pinned[ids]
+        placeholder = torch.full(
+            (hidden.shape[0], head.vocab_size), float("-inf"), dtype=exact.dtype, device=hidden.device
+        )
+        placeholder.scatter_(1, ids, exact)
+        if pinned is not None and pinned_ids is not None and pinned_ids.numel():
+            pinned_logits = postprocess(torch.nn.functional.linear(hidden.to(pinned.rows.dtype), pinned.rows))
+            placeholder.index_copy_(1, pinned_ids, pinned_logits.to(placeholder.dtype))
+            ids = torch.cat([ids, pinned_ids.expand(hidden.shape[0], -1)], dim=1)
+            valid = torch.cat(
+                [valid, torch.ones(ids.shape[0], pinned_ids.numel(), dtype=torch.bool, device=ids.device)], 1
+            )
+        rows = CompactRows(
+            hidden=hidden.detach().clone(),
+            temperature=temperature.view(-1),
+            exact_ids=ids,
+            exact_valid=valid,
+            atom_log_mass=log_mass.scatter_(1, chosen, float("-inf")),
+            atom_log_size=self.log_size,
+            postprocess=postprocess,
+            pinned=is_pinned,
+        )
+        return placeholder, rows
+
+    def resolve(self, rows: CompactRows, row: int, clusters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [k * cap], logits [k * cap] float32)``: the exact logits of row ``row``'s clusters ``clusters``
+        ``[k]``, post-processed and divided by the row's temperature as vLLM's sampler sees a logit; ``-inf`` at
+        padding slots and pinned ids (already exact in ``E``)."""
+        head = self.head
+        hidden = rows.hidden[row : row + 1]
+        ids, exact = head.candidate_rows.candidate_logits(hidden, clusters.view(1, -1))
+        values = rows.postprocess(exact).float()[0].div_(rows.temperature[row])
+        invalid = ~self.member_valid[clusters].reshape(-1)
+        if rows.pinned is not None:
+            invalid |= rows.pinned[ids[0]]
+        return ids[0], values.masked_fill_(invalid, float("-inf"))
