@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from my_pkg.engine.flashhead import compact_step
 from my_pkg.engine.flashhead.pins import PinnedRows
+from my_pkg.flashhead.compact import compact_clusters
 from my_pkg.flashhead.head import FlashHead
 from my_pkg.flashhead.layout import hidden_major
 from my_pkg.flashhead.masked import masked_logits
@@ -175,14 +177,20 @@ def warm_up(
     width: int | None,
     hidden: torch.Tensor,
     probe_sampling: bool,
+    compact: bool = False,
 ) -> str | None:
-    """Run :func:`head_step` once on `hidden[:2]`, greedy and (with probe sampling) sampled, so that kernels are
-    compiled and the sampled rows' tables built before the first request; why it failed, or None."""
+    """Run :func:`head_step` once on `hidden[:2]`, greedy and (with probe sampling) sampled, and with `compact` plan
+    them as compact rows, so that kernels are compiled and the sampled rows' tables built (before vLLM sizes its KV
+    cache) ahead of the first request; why it failed, or None."""
     rows = hidden[:2].detach()
     try:
         step = head_step(head, pins, stage1, width, probe_sampling)
         for sampled in (False, True) if probe_sampling else (False,):
             step(rows, np.full(rows.shape[0], sampled))
+        if compact and probe_sampling and stage1 is None and head.estimate.rank and head.weight.device.type == "cpu":
+            planner = compact_step.compact_head(head)
+            temperature = torch.ones(rows.shape[0])
+            planner.plan(rows, temperature, pinned=None, postprocess=lambda x: x, clusters=compact_clusters(head))
     except Exception as exc:  # noqa: BLE001 - a head that fails here is dropped, the model stays dense
         return f"FlashHead failed its warm-up step: {type(exc).__name__}: {exc}"
     return None
@@ -222,9 +230,12 @@ def extra_memory_bytes(
     head: FlashHead | None, pins: PinnedRows | None, draft: tuple[FlashHead | None, int | None] | None = None
 ) -> int | None:
     """Device bytes FlashHead holds beyond vLLM's head weight: `head`'s (centroids, cluster map, the sampled rows'
-    tables once built) and the pinned ids' cached weight rows; with `draft`, the drafter's head and its own
-    bytes, less the rows in cluster order an EAGLE head shares with the target's (None: no head)."""
-    own = int(head.extra_memory_bytes + (pins.nbytes if pins is not None else 0)) if head is not None else None
+    tables once built, their table in cluster order once a compact row needed it) and the pinned ids' cached weight
+    rows; with `draft`, the drafter's head and its own bytes, less the rows in cluster order an EAGLE head shares
+    with the target's (None: no head)."""
+    own = None
+    if head is not None:
+        own = int(head.extra_memory_bytes + (pins.nbytes if pins is not None else 0) + compact_step.table_bytes(head))
     if draft is None or draft[1] is None:
         return own
     draft_head, drafter = draft

@@ -105,6 +105,12 @@ def compact_head(head: FlashHead) -> CompactHead:
     return found
 
 
+def table_bytes(head: FlashHead) -> int:
+    """Bytes of the head's estimate table in cluster order (0 before a compact row needed it)."""
+    found = _COMPACT_HEADS.get(head)
+    return found.nbytes if found is not None else 0
+
+
 def rows_to_draw(
     rows: StepRows, settings: FlashHeadSettings, head: FlashHead, vocab_range: tuple[int, int] | None
 ) -> np.ndarray | None:

@@ -204,9 +204,9 @@ class FlashHeadController:
         dense."""
         if self.head is None:
             return
-        failed = build.warm_up(
-            self.head, self._pins, self.stage1, self._keys_width(), hidden, self.settings.probe_sampling
-        )
+        settings = self.settings
+        args = (self._pins, self.stage1, self._keys_width(), hidden, settings.probe_sampling, settings.compact_sampling)
+        failed = build.warm_up(self.head, *args)
         if failed is not None:
             self.head = None
             self.make_unavailable("warm_up_failed", failed)
