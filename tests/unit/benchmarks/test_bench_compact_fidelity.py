@@ -1,4 +1,4 @@
-"""`bench/compact_fidelity.py`: its statistics, and a run on the trained fixture's first rows that writes its section."""
+"""`bench/compact_fidelity.py`: its statistics, and a short run on the trained fixture that writes its section."""
 
 from __future__ import annotations
 
