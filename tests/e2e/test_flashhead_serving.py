@@ -310,16 +310,26 @@ def _top_p_rows(text: str) -> int:
     return int(float(match.group(1)))
 
 
+def _compact_rows(text: str) -> int:
+    match = re.search(r'^my_pkg_flashhead_compact_rows_total\{dp_rank="0",rank="0"\} (\d+)', text, re.M)
+    assert match, "compact sampled rows are counted on vLLM's CPU build by default"
+    return int(float(match.group(1)))
+
+
 def test_metrics_expose_the_counters_by_rank(fh, flashhead_server):
-    top_p_before = _top_p_rows(fh.get("/plugins/my_pkg/metrics", headers=auth()).text)
+    before = fh.get("/plugins/my_pkg/metrics", headers=auth()).text
+    top_p_before, compact_before = _top_p_rows(before), _compact_rows(before)
+    sampled = {"max_tokens": 4, "temperature": 0.8, "top_p": 0.9, "seed": 3}
     _complete(fh, flashhead_server.model, PROMPTS[0], max_tokens=4)
-    _complete(fh, flashhead_server.model, PROMPTS[1], max_tokens=4, temperature=0.8, top_p=0.9, seed=3)
+    _complete(fh, flashhead_server.model, PROMPTS[1], **sampled)  # drawn by the plugin (compact rows)
+    _complete(fh, flashhead_server.model, PROMPTS[1], **sampled, presence_penalty=0.5)  # a full row: vLLM's sampler
     counters = _status(fh)["counters"]
     text = fh.get("/plugins/my_pkg/metrics", headers=auth()).text
     match = re.search(r'^my_pkg_flashhead_rows_total\{dp_rank="0",path="flashhead",rank="0"\} (\d+)', text, re.M)
     assert match and int(match.group(1)) == counters["rows_flashhead"]
     assert re.search(r'^my_pkg_flashhead_active\{dp_rank="0",rank="0"\} 1', text, re.M)
-    assert _top_p_rows(text) >= top_p_before + 4  # the top-p request's rows, masked without a sort of every row
+    assert _compact_rows(text) == counters["compact"]["rows"] >= compact_before + 4
+    assert _top_p_rows(text) >= top_p_before + 4  # the penalised request's rows, masked without a sort of every row
 
 
 def test_flashhead_model_without_the_plugin_is_refused(flashhead_model, logs_dir):
