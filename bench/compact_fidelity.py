@@ -144,6 +144,7 @@ def measure(
                     vocab,
                     options,
                     atom_log_size=rows.atom_log_size,
+                    atom_log_max=rows.atom_log_max[row],
                 )
                 reference = dense_law(dense[row], row_filter)
                 cell.tv.append(float((law.probs - reference).abs().sum()) / 2)

@@ -69,6 +69,7 @@ def sides(head: FlashHead, hidden: torch.Tensor) -> tuple[Callable[[], object], 
             lambda row, clusters: planner.resolve(planned, row, clusters),
             vocab,
             atom_log_size=planned.atom_log_size,
+            atom_log_max=planned.atom_log_max,
         ).tokens
 
     def full_row() -> torch.Tensor:

@@ -50,7 +50,8 @@ class CompactRows:
     ``exact_ids`` ``[B, N]``: the exact set ``E`` (the chosen clusters' members, then the pinned ids); ``exact_valid``
     marks each id's first appearance (padding slots and pinned ids inside a chosen cluster are repeats).
     ``atom_log_mass`` ``[B, C]`` float32: ``log M̂_c / T`` of every cluster outside ``E``, ``-inf`` for the chosen
-    ones and clusters with no member left; ``atom_log_size`` ``[C]``: the log of each cluster's member count.
+    ones and clusters with no member left; ``atom_log_max`` ``[B, C]``: its members' largest estimated weight, in the
+    same units; ``atom_log_size`` ``[C]``: the log of each cluster's member count.
     """
 
     hidden: torch.Tensor
@@ -58,6 +59,7 @@ class CompactRows:
     exact_ids: torch.Tensor
     exact_valid: torch.Tensor
     atom_log_mass: torch.Tensor
+    atom_log_max: torch.Tensor
     atom_log_size: torch.Tensor
     postprocess: PostProcess
     pinned: torch.Tensor | None
@@ -130,7 +132,8 @@ class CompactHead:
         is_pinned, excluded = self._excluded(pinned_ids)
         if excluded.numel():
             per_member.index_fill_(1, excluded, float("-inf"))
-        log_mass = torch.logsumexp(per_member.view(hidden.shape[0], *head.members.shape), dim=2)  # [B, C]
+        by_cluster = per_member.view(hidden.shape[0], *head.members.shape)
+        log_mass = torch.logsumexp(by_cluster, dim=2)  # [B, C]
         chosen = log_mass.topk(min(clusters, head.num_clusters), dim=1).indices
         ids, exact = head.candidate_rows.candidate_logits(hidden, chosen)
         exact = postprocess(exact)
@@ -154,6 +157,7 @@ class CompactHead:
             exact_ids=ids,
             exact_valid=valid,
             atom_log_mass=log_mass.scatter_(1, chosen, float("-inf")),
+            atom_log_max=by_cluster.amax(dim=2).scatter_(1, chosen, float("-inf")),
             atom_log_size=self.log_size,
             postprocess=postprocess,
             pinned=is_pinned,

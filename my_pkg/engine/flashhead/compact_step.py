@@ -200,6 +200,7 @@ def draw(
         lambda row, clusters: plan.head.resolve(compact, row, clusters),
         plan.head.head.vocab_size,
         atom_log_size=compact.atom_log_size,
+        atom_log_max=compact.atom_log_max,
     )
     tally["rows"] += compact.num_rows
     tally["resolved_clusters"] += drawn.resolved_clusters
