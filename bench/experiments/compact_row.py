@@ -8,7 +8,7 @@ clusters, the sampled rows' default rescored tokens with a fitted estimate, rank
 * full row: ``FlashHead.step_logits`` for sampled rows, the plugin's sort-free top-p (``my_pkg.sampling``) and a
   Gumbel-max over the vocabulary (vLLM's own CPU sampler would sort instead, which costs more).
 
-Prints each side's fastest of ``--rounds`` per shape and batch.
+Prints each side's median of ``--rounds`` calls (after one warm-up call) per shape and batch.
 
     python -m bench.experiments.compact_row
     python -m bench.experiments.compact_row --shapes 32768x384 --batches 1 --rounds 3
@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
-from bench._report import machine_description
+from bench._report import machine_description, median_ms
 from my_pkg.flashhead.compact import CompactHead, compact_clusters
 from my_pkg.flashhead.compact_law import RowFilter, draw
 from my_pkg.flashhead.gumbel import row_keys
@@ -34,16 +33,6 @@ from my_pkg.sampling.top_p import apply_top_k_top_p
 from tests.support.heads import random_head
 
 TEMPERATURE, TOP_P = 0.7, 0.9
-
-
-def fastest_ms(call: Callable[[], object], rounds: int) -> float:
-    call()
-    times = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e3
 
 
 def sides(head: FlashHead, hidden: torch.Tensor) -> tuple[Callable[[], object], Callable[[], object]]:
@@ -102,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             hidden = torch.randn(batch, hidden_size, generator=generator) / math.sqrt(hidden_size) * 3
             compact, full_row = sides(head, hidden)
-            ours, theirs = fastest_ms(compact, args.rounds), fastest_ms(full_row, args.rounds)
+            compact(), full_row()  # warm-up
+            ours, theirs = median_ms(compact, args.rounds), median_ms(full_row, args.rounds)
             print(
                 f"| {vocab:,} × {hidden_size:,} | {batch} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x |",
                 flush=True,
