@@ -125,8 +125,7 @@ class CompactHead:
         head = self.head
         hidden = head.check_hidden(hidden)
         head.candidate_rows.refresh()
-        temperature = temperature.to(hidden.device, torch.float32)
-        temperature = temperature.view(-1, 1)
+        temperature = temperature.to(hidden.device, torch.float32).view(-1, 1)
         per_member = postprocess(self._estimates_by_cluster(hidden)).float().div_(temperature)
         pinned_ids = pinned.ids if pinned is not None else None
         is_pinned, excluded = self._excluded(pinned_ids)

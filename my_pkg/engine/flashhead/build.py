@@ -187,7 +187,7 @@ def warm_up(
         step = head_step(head, pins, stage1, width, probe_sampling)
         for sampled in (False, True) if probe_sampling else (False,):
             step(rows, np.full(rows.shape[0], sampled))
-        if compact and probe_sampling and stage1 is None and head.estimate.rank and head.weight.device.type == "cpu":
+        if compact and probe_sampling and stage1 is None and compact_step.head_draws(head):
             planner = compact_step.compact_head(head)
             temperature = torch.ones(rows.shape[0])
             planner.plan(rows, temperature, pinned=None, postprocess=lambda x: x, clusters=compact_clusters(head))

@@ -111,6 +111,11 @@ def table_bytes(head: FlashHead) -> int:
     return found.nbytes if found is not None else 0
 
 
+def head_draws(head: FlashHead) -> bool:
+    """Whether `head` can plan compact rows: a CPU head with a sampled rows' estimate."""
+    return head.weight.device.type == "cpu" and bool(head.estimate.rank)
+
+
 def rows_to_draw(
     rows: StepRows, settings: FlashHeadSettings, head: FlashHead, vocab_range: tuple[int, int] | None
 ) -> np.ndarray | None:
@@ -119,7 +124,7 @@ def rows_to_draw(
         return None
     if not (settings.compact_sampling and settings.probe_sampling) or vocab_range is not None:
         return None
-    if head.weight.device.type != "cpu" or not head.estimate.rank:
+    if not head_draws(head):
         return None
     chosen = np.flatnonzero(rows.compact & (rows.dense_codes == 0))
     return chosen if chosen.size else None
