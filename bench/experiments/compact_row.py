@@ -52,13 +52,11 @@ def sides(head: FlashHead, hidden: torch.Tensor) -> tuple[Callable[[], object], 
         return draw(
             planned.exact_ids,
             exact,
-            planned.atom_log_mass,
+            planned.atoms,
             [RowFilter(top_p=TOP_P)] * rows,
             row_keys(torch.arange(rows)),
             lambda row, clusters: planner.resolve(planned, row, clusters),
             vocab,
-            atom_log_size=planned.atom_log_size,
-            atom_log_max=planned.atom_log_max,
         ).tokens
 
     def full_row() -> torch.Tensor:

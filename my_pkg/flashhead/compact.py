@@ -8,10 +8,10 @@ clusters with the largest ``M̂_c`` and the pinned ids (the exact set ``E``), an
 
 * the placeholder: ``[B, V]`` logits, exact on ``E`` and ``-inf`` elsewhere, for vLLM's own processing (min_tokens,
   temperature, min_p act on it as on any row);
-* :class:`CompactRows`: ``E``'s ids and validity, and each other cluster's ``log M̂_c`` (already divided by ``T``):
-  the atoms the draw (:mod:`~my_pkg.flashhead.compact_law`) samples from.
+* :class:`CompactRows`: ``E``'s ids and validity, and the atoms the draw (:mod:`~my_pkg.flashhead.compact_law`)
+  proposes from: each other cluster's ``log M̂_c`` and its members' estimates (already divided by ``T``).
 
-:meth:`CompactHead.resolve` scores a row's clusters exactly when the draw needs their members (a drawn atom, a
+:meth:`CompactHead.resolve` scores a row's clusters exactly when the draw needs their members (a proposed atom, a
 cluster near a filter's cutoff).  No ``[B, V]`` estimate is sorted or scattered, and no top-k runs over ``V``.
 
 Imports torch only; the head reaches it as an argument.
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .compact_law import Atoms
 from .layout import hidden_major, linear
 from .tail_estimate import TailTables
 
@@ -50,8 +51,9 @@ class CompactRows:
     ``exact_ids`` ``[B, N]``: the exact set ``E`` (the chosen clusters' members, then the pinned ids); ``exact_valid``
     marks each id's first appearance (padding slots and pinned ids inside a chosen cluster are repeats).
     ``atom_log_mass`` ``[B, C]`` float32: ``log M̂_c / T`` of every cluster outside ``E``, ``-inf`` for the chosen
-    ones and clusters with no member left; ``atom_log_max`` ``[B, C]``: its members' largest estimated weight, in the
-    same units; ``atom_log_size`` ``[C]``: the log of each cluster's member count.
+    ones and clusters with no member left; ``atom_log_max`` ``[B, C]``: each cluster's largest member estimate;
+    ``member_estimates`` ``[B, C, cap]``: each member's estimate in the same
+    units (``-inf`` at padding slots and pinned ids); ``members`` ``[C, cap]``: the head's cluster map.
     """
 
     hidden: torch.Tensor
@@ -60,13 +62,18 @@ class CompactRows:
     exact_valid: torch.Tensor
     atom_log_mass: torch.Tensor
     atom_log_max: torch.Tensor
-    atom_log_size: torch.Tensor
+    member_estimates: torch.Tensor
+    members: torch.Tensor
     postprocess: PostProcess
     pinned: torch.Tensor | None
 
     @property
     def num_rows(self) -> int:
         return int(self.hidden.shape[0])
+
+    @property
+    def atoms(self) -> Atoms:
+        return Atoms(self.atom_log_mass, self.atom_log_max, self.member_estimates, self.members)
 
 
 class CompactHead:
@@ -79,7 +86,6 @@ class CompactHead:
         slots = torch.arange(members.shape[1], device=members.device)
         # `build_members` pads a short cluster with its first member: a slot past the first repeating it is padding.
         self.member_valid = (slots == 0) | (members != members[:, :1])
-        self.log_size = self.member_valid.sum(1).float().log()
         self._table: tuple[TailTables, torch.Tensor] | None = None
         self._pinned: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None = None
 
@@ -156,8 +162,9 @@ class CompactHead:
             exact_ids=ids,
             exact_valid=valid,
             atom_log_mass=log_mass.scatter_(1, chosen, float("-inf")),
-            atom_log_max=by_cluster.amax(dim=2).scatter_(1, chosen, float("-inf")),
-            atom_log_size=self.log_size,
+            atom_log_max=by_cluster.amax(dim=2),
+            member_estimates=by_cluster,
+            members=head.members,
             postprocess=postprocess,
             pinned=is_pinned,
         )

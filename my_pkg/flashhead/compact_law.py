@@ -1,29 +1,33 @@
 """The law a compact sampled row is drawn from, and the draw.
 
-A compact row (:mod:`~my_pkg.flashhead.compact`) has exact logits on its exact set ``E`` and, for every other
-cluster ``c``, one *atom*: the cluster's estimated mass ``M̂_c``.  Its law before filters gives a token of ``E``
-its exact weight ``exp(z_v / T)`` and a token ``v`` of an atom ``M̂_c · exp(z_v / T) / M_c``: the cluster's total
-is estimated, its split among the members is exact.  vLLM's filters act on it in vLLM's order (min_p, then top_k,
-then top_p renormalised over what is left; a token is kept by top_p iff the mass before it is below ``p``; top_k
-keeps ties with the k-th value):
+A compact row (:mod:`~my_pkg.flashhead.compact`) has exact logits ``z`` on its exact set ``E`` and, for every other
+cluster ``c``, an *atom*: its members' rank-``r`` estimates ``ẑ_v`` and their sum ``M̂_c = Σ exp(ẑ_v)``.  The
+*margin* ``δ`` is the assumption the law rests on: no member's exact logit exceeds its estimate by more than ``δ``
+(``z_v <= ẑ_v + δ``; a member that does is a *miss*).  vLLM's filters act in vLLM's order (min_p, then top_k, then
+top_p renormalised over what is left; top_p keeps a token iff the mass before it is below ``p``; top_k keeps ties):
 
-* **top_k or min_p** (with or without top_p): every atom whose largest estimated member weight, times
-  ``e^margin``, reaches the filter's cutoff is scored exactly (*resolved*), at most ``budget`` clusters, the
-  heaviest first, the cutoff computed again as resolved tokens raise it; the other atoms are dropped.  The
-  filtered law is then vLLM's dense one unless a dropped token's weight was underestimated by more than
-  ``e^margin`` (a *miss*); a row that needed more than the budget is counted.  (Bounding every member by the
-  cluster's whole mass makes a miss need the mass underestimated instead, but resolved 3–6 times as many clusters
-  on the trained fixture, and missed more often there because the budget ran out.)
-* **top_p alone**: atoms near the nucleus's cutoff (computed over tokens and atoms) are resolved the same way;
-  the nucleus is then taken over the exact tokens and the remaining atoms, by weight.  Its error is measured,
-  not certified (the cutoff depends on the estimated normaliser).
-* **temperature only**: no filter; the total variation distance to the dense law equals that of the atom
-  masses, and ``B = Σ_c |M_c − M̂_c| / Ẑ`` bounds it.  ``|M_c / M̂_c − 1|`` of a drawn atom (0 when a token of
-  ``E`` is drawn) is an unbiased estimate of ``B``, reported per row (:attr:`Drawn.bound_sum`).
+* **Threshold rows** (temperature only, min_p alone, top_p alone): vLLM keeps the tokens with ``z_v >= τ``
+  (``τ = -inf``; ``max z + ln min_p``; the nucleus's last weight).  For min_p, ``τ`` is exact once every atom that
+  could hold a larger logit than ``E``'s is scored; for top_p, ``τ`` is the nucleus over ``E``'s exact logits and
+  every atom member's estimate (normalised by ``Z_E + Σ M̂_c``), the one estimated quantity.  The row is drawn
+  *exactly* from the softmax of ``{z_v : z_v >= τ}`` by rejection: the proposal weighs a token of ``E`` by
+  ``exp(z_v)`` and an atom's member by its bound ``exp(ẑ_v + δ)``; a proposed member is scored with its cluster
+  (*resolved*) and kept with probability ``exp(z_v - ẑ_v - δ)`` if ``z_v >= τ``; otherwise the cluster's members
+  join the exact tokens and the proposal is drawn again.  Only proposed clusters are scored.  Without a miss the
+  law is vLLM's dense one (top_p: at the estimated ``τ``).
+* **Certified rows** (top_k; min_p with top_p): every atom whose largest member estimate plus ``δ`` reaches the
+  filter's cutoff is resolved, the heaviest first, ``_RESOLVE_CHUNK`` at a time, with the cutoff computed again as
+  resolved tokens raise it, up to ``budget`` clusters; the rest are dropped and vLLM's filters run on the exact
+  tokens.  Without a miss the law is vLLM's dense one.
 
-The draw is a Gumbel-max over the kept tokens and atoms with vLLM's CPU noise (:mod:`~my_pkg.flashhead.gumbel`:
-a token of ``E`` gets the noise vLLM's kernel would give it; atom ``c`` the noise of id ``V + c``); a drawn atom
-is resolved and its token drawn from the exact conditional with a second stream.  Given the seed, the draw is a
+A row that needs more than ``budget`` clusters is counted; its unresolved atoms are dropped.  Each threshold row
+reports an estimate of the mass its margin missed (:attr:`Drawn.bound_sum`): for the cluster the first proposal
+drew (0 when it drew a token of ``E``), ``Σ_v (exp z_v − exp(ẑ_v + δ))⁺ / (exp(ẑ + δ) mass of the cluster)``, times
+the proposal's total over ``E``'s kept mass, whose mean over rows is at least the missed mass over ``Z``.
+
+The noise is vLLM's CPU noise (:mod:`~my_pkg.flashhead.gumbel`): the first proposal is a Gumbel-max that gives a
+token of ``E`` the noise vLLM's kernel would give it (an atom ``c`` the noise of id ``V + c``); later proposals, the
+member inside a cluster and the acceptance take further streams of the same key.  Given the seed, the draw is a
 function of the row alone: a seeded request's text does not depend on its batch.
 
 Imports torch only.
@@ -38,30 +42,34 @@ from typing import NamedTuple
 
 import torch
 
-from .gumbel import derived_keys, gumbel
+from .gumbel import derived_keys, gumbel, uniform
 
 __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_MARGIN",
     "DEFAULT_OPTIONS",
+    "Atoms",
     "Drawn",
     "LawOptions",
     "RowFilter",
     "RowLaw",
     "draw",
+    "missed_mass",
     "nucleus",
     "row_law",
 ]
 
-#: ``ln 4``: no miss in 2,048 held-out rows of each of 8 top_k / min_p settings on the trained fixture
-#: (docs/research/sampling.md).
+#: ``ln 4``: no member of a resolved cluster above its estimate plus the margin in 2,048 held-out rows of each
+#: setting on the trained fixture (docs/benchmarks.md, compact fidelity).
 DEFAULT_MARGIN = math.log(4.0)
 #: Clusters resolved per row at most.
 DEFAULT_BUDGET = 64
 #: Entries :func:`nucleus` sorts at most (the heaviest, or those around the cut's weight).
 _WINDOW = 1024
-#: Atoms resolved at a time before the cutoff is computed again.
+#: Atoms a certified row resolves at a time before its cutoff is computed again.
 _RESOLVE_CHUNK = 16
+#: Atoms (by their largest member estimate) the top_p cut reads first; four times as many while the cut is unsure.
+_CUT_ATOMS = 64
 
 Resolve = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -76,20 +84,21 @@ class LawOptions:
 DEFAULT_OPTIONS = LawOptions()
 
 
-class _RowDraw(NamedTuple):
-    token: int
-    resolved: int
-    over_budget: bool
-    from_atom: bool
-    bound: float | None  # temperature-only rows: |M_c / M̂_c - 1| of the drawn atom, 0 for a token of E
+class Atoms(NamedTuple):
+    """The clusters outside a row's exact set (with a leading row dimension for a batch).
 
+    ``log_mass`` ``[C]``: ``log M̂_c`` (``-inf``: not an atom); ``largest`` ``[C]``: its largest member estimate;
+    ``estimates`` ``[C, cap]``: each member's estimated logit, scaled as the exact logits (``-inf``: a padding slot or
+    a pinned id); ``members`` ``[C, cap]``: their ids, in the order :data:`Resolve` returns a cluster's members.
+    """
 
-class RowLaw(NamedTuple):
-    """``probs`` ``[V]`` float64; the clusters resolved near the row's cutoff, and whether the budget stopped it."""
+    log_mass: torch.Tensor
+    largest: torch.Tensor
+    estimates: torch.Tensor
+    members: torch.Tensor
 
-    probs: torch.Tensor
-    resolved: int
-    over_budget: bool
+    def row(self, index: int) -> Atoms:
+        return Atoms(self.log_mass[index], self.largest[index], self.estimates[index], self.members)
 
 
 class RowFilter(NamedTuple):
@@ -99,6 +108,14 @@ class RowFilter(NamedTuple):
     top_k: int | None = None
     top_p: float = 1.0
     min_p: float = 0.0
+
+
+class RowLaw(NamedTuple):
+    """``probs`` ``[V]`` float64; the clusters scored to state it, and whether the budget stopped it."""
+
+    probs: torch.Tensor
+    resolved: int
+    over_budget: bool
 
 
 @dataclass
@@ -113,17 +130,23 @@ class Drawn:
     bound_rows: int = 0
 
 
+class _RowDraw(NamedTuple):
+    token: int
+    resolved: int
+    over_budget: bool
+    from_atom: bool
+    bound: float | None  # threshold rows: the missed-mass estimate
+
+
 def draw(
     exact_ids: torch.Tensor,
     exact_logits: torch.Tensor,
-    atom_log_mass: torch.Tensor,
+    atoms: Atoms,
     filters: list[RowFilter],
     keys: torch.Tensor,
     resolve: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     vocab_size: int,
     options: LawOptions = DEFAULT_OPTIONS,
-    atom_log_size: torch.Tensor | None = None,
-    atom_log_max: torch.Tensor | None = None,
 ) -> Drawn:
     """Draw one token per row.
 
@@ -131,30 +154,24 @@ def draw(
         exact_ids: ``[B, N]`` each row's exact set ``E``.
         exact_logits: ``[B, N]`` their logits as vLLM's sampler holds them (post-processed, divided by the
             temperature, min_p and min_tokens applied); ``-inf`` for a masked token or a repeated id.
-        atom_log_mass: ``[B, C]`` ``log M̂_c / T`` per cluster outside ``E`` (``-inf``: no atom).
+        atoms: the rows' :class:`Atoms` (``[B, C]``, ``[B, C, cap]``), scaled as ``exact_logits``.
         filters: each row's :class:`RowFilter`.
         keys: ``[B]`` int64 noise keys (:func:`~my_pkg.flashhead.gumbel.row_keys` of the rows' seeds).
-        resolve: ``(row, clusters [k]) -> (ids, logits)`` exact logits of a row's clusters' members, scaled as
-            ``exact_logits`` (``-inf`` for ids already in ``E``).
+        resolve: ``(row, clusters [k]) -> (ids [k * cap], logits [k * cap])`` exact logits of a row's clusters'
+            members in ``atoms.members`` order, scaled as ``exact_logits`` (``-inf`` at padding and pinned ids).
         vocab_size: ``V``; atom ``c`` draws the noise of id ``V + c``.
-        atom_log_size: ``[C]`` log of each cluster's member count (top_p orders an atom by its members' mean
-            weight); None: by its mass.
-        atom_log_max: ``[B, C]`` each atom's largest estimated member weight, as ``atom_log_mass`` (top_k and min_p
-            resolve by it); None: by the mass.
     """
     drawn = Drawn(tokens=torch.empty(exact_ids.shape[0], dtype=torch.int64))
     for row, row_filter in enumerate(filters):
         one = _draw_row(
             exact_ids[row],
             exact_logits[row],
-            atom_log_mass[row],
+            atoms.row(row),
             row_filter,
             keys[row],
             lambda clusters, row=row: resolve(row, clusters),
             vocab_size,
             options,
-            atom_log_size,
-            atom_log_max[row] if atom_log_max is not None else None,
         )
         drawn.tokens[row] = one.token
         drawn.resolved_clusters += one.resolved
@@ -166,19 +183,70 @@ def draw(
     return drawn
 
 
-def nucleus(values: torch.Tensor, top_p: float, keys: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool mask of the entries of ``values`` (log weights) that top-p keeps: sorted by weight (or by ``keys``, the
-    same shape), those whose mass before them is below ``top_p`` (the first always; among equal values, which come
-    first is arbitrary, as in vLLM's sort).
+def row_law(
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    atoms: Atoms,
+    row_filter: RowFilter,
+    resolve: Resolve,
+    vocab_size: int,
+    options: LawOptions = DEFAULT_OPTIONS,
+) -> RowLaw:
+    """The law :func:`draw` draws one row from when no member is missed (threshold rows: every atom that could hold
+    a kept token scored); the reference the tests and the fidelity measurements compare with."""
+    law = torch.zeros(vocab_size, dtype=torch.float64, device=ids.device)
+    if _is_threshold(row_filter, vocab_size):
+        pool = _threshold_pool(ids, logits, atoms, row_filter, resolve, options)
+        resolved = pool.resolved + int(pool.clusters.numel())
+        if pool.clusters.numel():
+            new_ids, new_logits = resolve(pool.clusters)
+            pool = pool._replace(ids=torch.cat([pool.ids, new_ids]), logits=torch.cat([pool.logits, new_logits]))
+        kept = pool.logits >= pool.cut
+        law.index_add_(0, pool.ids[kept], torch.softmax(pool.logits[kept].double(), 0))
+        return RowLaw(law, resolved, False)
+    kept = _certified(ids, logits, atoms, row_filter, resolve, vocab_size, options)
+    law.index_add_(0, kept.ids, torch.softmax(kept.logits.double(), 0))
+    return RowLaw(law, kept.resolved, kept.over_budget)
+
+
+def missed_mass(
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    atoms: Atoms,
+    row_filter: RowFilter,
+    resolve: Resolve,
+    vocab_size: int,
+    options: LawOptions = DEFAULT_OPTIONS,
+) -> float:
+    """A threshold row's mass above its members' bounds over ``E``'s kept mass: ``Σ (exp z_v − b_v)⁺`` over every
+    atom member ``v`` the cut keeps, ``b_v = exp(ẑ_v + δ)`` where that reaches the cut and 0 elsewhere.  0 when no
+    member is missed (the draw's law is then :func:`row_law`'s); the mean of the draw's estimate otherwise.  Scores
+    every atom: for measurements and tests."""
+    if not _is_threshold(row_filter, vocab_size):
+        raise ValueError(f"{row_filter} is no threshold row")
+    pool = _threshold_pool(ids, logits, atoms, row_filter, resolve, options)
+    if not pool.unscored.numel():
+        return 0.0
+    _, member_logits = resolve(pool.unscored)
+    kept = torch.where(member_logits >= pool.cut, member_logits.double(), float("-inf"))
+    bounds = _bounds(atoms, pool.unscored, pool.cut, options.margin).reshape(-1)
+    missed = float((kept.exp() - bounds.exp()).clamp(min=0).sum())
+    exact = pool.logits[pool.logits >= pool.cut].double()
+    return missed / float(torch.logsumexp(exact, 0).exp()) if missed else 0.0
+
+
+def nucleus(values: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool mask of the entries of ``values`` (log weights) that top-p keeps: sorted by weight, those whose mass
+    before them is below ``top_p`` (the first always; among equal values, which come first is arbitrary, as in
+    vLLM's sort).
 
     Without a sort of every entry: the ``_WINDOW`` heaviest decide when the cut falls among them; otherwise the
     cut's weight is found by bisection on the weight (the mass above a weight only grows as the weight falls),
     until few enough entries lie between the bounds to sort them."""
     count = values.numel()
     probs = torch.softmax(values.double(), dim=0)
-    keys = probs if keys is None else keys.double()
     window = min(count, _WINDOW)
-    top = keys.topk(window).indices
+    top = probs.topk(window).indices
     mass = probs[top]
     before = mass.cumsum(0) - mass
     inside = before < top_p
@@ -187,26 +255,168 @@ def nucleus(values: torch.Tensor, top_p: float, keys: torch.Tensor | None = None
     if window == count or not bool(inside[-1]):
         mask[top[inside]] = True
         return mask
-    # The mass keyed above `high` is below top_p (the window's last entry is in); above `low`, not.
-    low, high = float(keys.min()) - 1.0, float(keys[top[-1]])
+    # The mass above `high` is below top_p (the window's last entry is in); above `low`, not.
+    low, high = float(probs.min()) - 1.0, float(probs[top[-1]])
     while True:
-        between = (keys > low) & (keys < high)
+        between = (probs > low) & (probs < high)
         if int(between.sum()) <= _WINDOW:
             break
         middle = (low + high) / 2
         if middle in (low, high):
             break
-        if float(probs[keys > middle].sum()) < top_p:
+        if float(probs[probs > middle].sum()) < top_p:
             high = middle
         else:
             low = middle
-    kept = keys >= high
+    kept = probs >= high
     rest = torch.nonzero(between).flatten()
-    order = rest[keys[rest].argsort(descending=True)]
+    order = rest[probs[rest].argsort(descending=True)]
     before = float(probs[kept].sum()) + probs[order].cumsum(0) - probs[order]
     mask[kept] = True
     mask[order[before < top_p]] = True
     return mask
+
+
+def _is_threshold(row_filter: RowFilter, vocab_size: int) -> bool:
+    """Whether vLLM keeps the row's tokens above one weight known before the draw (no top_k; min_p and top_p not
+    both: top_p over min_p's survivors needs their exact mass)."""
+    no_top_k = row_filter.top_k is None or row_filter.top_k >= vocab_size
+    return no_top_k and (row_filter.min_p <= 0.0 or row_filter.top_p >= 1.0)
+
+
+class _Pool(NamedTuple):
+    """A threshold row before its draw: the exact tokens, the cut, and the atoms that could hold a kept token with
+    the log total of their members' bounds ``exp(ẑ + δ)`` above the cut."""
+
+    ids: torch.Tensor
+    logits: torch.Tensor
+    cut: float
+    clusters: torch.Tensor
+    log_bound: torch.Tensor
+    resolved: int
+    unscored: torch.Tensor  # every atom not scored yet, near the cut or not
+
+
+def _bounds(atoms: Atoms, clusters: torch.Tensor, cut: float, margin: float) -> torch.Tensor:
+    """``[k, cap]`` float64 the members' bounds ``ẑ + δ`` of ``clusters``, ``-inf`` below ``cut``."""
+    bounds = atoms.estimates[clusters].double() + margin
+    return bounds.masked_fill_(bounds < cut, float("-inf"))
+
+
+def _threshold_pool(
+    ids: torch.Tensor, logits: torch.Tensor, atoms: Atoms, row_filter: RowFilter, resolve: Resolve, options: LawOptions
+) -> _Pool:
+    finite = torch.isfinite(logits)
+    ids, logits = ids[finite], logits[finite]
+    clusters = torch.nonzero(torch.isfinite(atoms.log_mass)).flatten()
+    largest = atoms.largest[clusters]
+    resolved = 0
+    cut = float("-inf")
+    if row_filter.min_p > 0.0:
+        # The cut is the largest logit's: score first every atom that could hold a larger one than E's.
+        while logits.numel() or clusters.numel():
+            top = float(logits.max()) if logits.numel() else float("-inf")
+            higher = largest + options.margin > top
+            if not bool(higher.any()):
+                break
+            new_ids, new_logits = resolve(clusters[higher])
+            keep = torch.isfinite(new_logits)
+            ids, logits = torch.cat([ids, new_ids[keep]]), torch.cat([logits, new_logits[keep]])
+            resolved += int(higher.sum())
+            clusters, largest = clusters[~higher], largest[~higher]
+        cut = float(logits.max()) + math.log(row_filter.min_p)
+    elif row_filter.top_p < 1.0:
+        log_total = torch.logsumexp(torch.cat([logits, atoms.log_mass[clusters]]).double(), 0)
+        cut = _nucleus_cut(logits, atoms.estimates, clusters, largest, float(log_total), row_filter.top_p)
+    unscored = clusters
+    clusters = clusters[largest + options.margin >= cut]
+    if cut == float("-inf"):  # every member counts: the bounds' total is the estimated mass's
+        log_bound = atoms.log_mass[clusters].double() + options.margin
+    elif clusters.numel():
+        log_bound = torch.logsumexp(_bounds(atoms, clusters, cut, options.margin), 1)
+    else:
+        log_bound = atoms.log_mass.new_empty(0, dtype=torch.float64)
+    return _Pool(ids, logits, cut, clusters, log_bound, resolved, unscored)
+
+
+def _nucleus_cut(
+    logits: torch.Tensor,
+    estimates: torch.Tensor,
+    clusters: torch.Tensor,
+    largest: torch.Tensor,
+    log_total: float,
+    top_p: float,
+) -> float:
+    """The last weight top_p keeps over ``E``'s exact logits and the member estimates of every atom in ``clusters``
+    (``largest``: each one's largest), normalised by ``log_total``.  Reads the atoms with the largest members first:
+    the cut is final once it is at least the largest member left unread."""
+    count = clusters.numel()
+    take = min(count, _CUT_ATOMS)
+    while True:
+        top = largest.topk(min(count, take + 1))
+        read = clusters[top.indices[:take]]
+        values = torch.cat([logits, estimates[read].reshape(-1)]).double()
+        values = values[torch.isfinite(values)]
+        ordered = values.topk(min(values.numel(), _WINDOW)).values
+        mass = torch.exp(ordered - log_total)
+        kept = int(((mass.cumsum(0) - mass) < top_p).sum())
+        if kept == ordered.numel() < values.numel():
+            ordered = values.sort(descending=True).values
+            mass = torch.exp(ordered - log_total)
+            kept = int(((mass.cumsum(0) - mass) < top_p).sum())
+        unread = float(top.values[take]) if take < count else float("-inf")
+        if take == count or (kept < ordered.numel() and float(ordered[kept - 1]) >= unread):
+            return float(ordered[max(kept, 1) - 1])
+        take = min(count, take * 4)
+
+
+def _threshold_draw(
+    pool: _Pool, atoms: Atoms, key: torch.Tensor, resolve: Resolve, vocab_size: int, options: LawOptions
+) -> _RowDraw:
+    """The rejection draw of the module docstring."""
+    ids, logits, cut, clusters, log_bound = pool.ids, pool.logits, pool.cut, pool.clusters, pool.log_bound
+    resolved, over, bound, first, from_e = pool.resolved, False, 0.0, True, ids.numel()
+    while True:
+        exact = torch.where(logits >= cut, logits.double(), float("-inf"))
+        if resolved >= options.budget and clusters.numel():
+            over, clusters, log_bound = True, clusters[:0], log_bound[:0]
+        scores = torch.cat([exact + gumbel(key, ids), log_bound + gumbel(key, clusters + vocab_size)])
+        if not bool(torch.isfinite(scores).any()):
+            raise ValueError("a compact row with nothing to draw from")
+        winner = int(scores.argmax())
+        if winner < ids.numel():
+            return _RowDraw(int(ids[winner]), resolved, over, winner >= from_e, bound)
+        atom = winner - ids.numel()
+        member_key = derived_keys(key)
+        bounds = _bounds(atoms, clusters[atom], cut, options.margin)
+        slot = int((bounds + gumbel(member_key, atoms.members[clusters[atom]])).argmax())
+        new_ids, new_logits = resolve(clusters[atom].view(1))
+        resolved += 1
+        z = float(new_logits[slot])
+        if first:
+            bound = _missed_mass(exact, new_logits, bounds, log_bound, cut)
+        if z >= cut and float(uniform(derived_keys(member_key), new_ids[slot])) < math.exp(z - float(bounds[slot])):
+            return _RowDraw(int(new_ids[slot]), resolved, over, True, bound)
+        keep = torch.isfinite(new_logits)
+        ids, logits = torch.cat([ids, new_ids[keep]]), torch.cat([logits, new_logits[keep]])
+        rest = torch.ones(clusters.numel(), dtype=torch.bool, device=clusters.device)
+        rest[atom] = False
+        clusters, log_bound = clusters[rest], log_bound[rest]
+        key, first = derived_keys(member_key + 1), False
+
+
+def _missed_mass(
+    exact: torch.Tensor, member_logits: torch.Tensor, member_bounds: torch.Tensor, log_bound: torch.Tensor, cut: float
+) -> float:
+    """The first proposal's missed-mass estimate (module docstring) for the cluster it drew."""
+    kept = torch.where(member_logits >= cut, member_logits.double(), float("-inf"))
+    missed = (kept.exp() - member_bounds.exp()).clamp(min=0).sum()
+    if not bool(missed > 0):
+        return 0.0
+    proposal = torch.logsumexp(torch.cat([exact, log_bound]), 0)
+    exact_mass = torch.logsumexp(exact, 0) if bool(torch.isfinite(exact).any()) else proposal
+    scale = torch.exp(proposal - torch.logsumexp(member_bounds, 0) - exact_mass)
+    return float(missed * scale)
 
 
 def _filter_cutoff(values: torch.Tensor, row_filter: RowFilter, vocab_size: int) -> float:
@@ -224,156 +434,70 @@ def _filter_cutoff(values: torch.Tensor, row_filter: RowFilter, vocab_size: int)
     return cut
 
 
-def _filtered(values: torch.Tensor, row_filter: RowFilter, vocab_size: int) -> torch.Tensor:
-    """Bool mask of ``values`` kept by min_p, top_k, then top_p over the survivors."""
-    kept = values >= _filter_cutoff(values, row_filter, vocab_size)
-    if row_filter.top_p < 1.0:
-        inside = torch.nonzero(kept).flatten()
-        kept = torch.zeros_like(kept)
-        kept[inside[nucleus(values[inside], row_filter.top_p)]] = True
-    return kept
-
-
-def _is_certified(row_filter: RowFilter, vocab_size: int) -> bool:
-    return (row_filter.top_k is not None and row_filter.top_k < vocab_size) or row_filter.min_p > 0.0
-
-
 class _Kept(NamedTuple):
-    """A row's items after resolution and filters: exact tokens and atoms."""
+    """A certified row's kept exact tokens after resolution and filters."""
 
     ids: torch.Tensor
     logits: torch.Tensor
-    atoms: torch.Tensor
-    masses: torch.Tensor
     resolved: int
     over_budget: bool
 
 
-def _kept(
+def _certified(
     ids: torch.Tensor,
     logits: torch.Tensor,
-    atom_log_mass: torch.Tensor,
-    atom_log_size: torch.Tensor | None,
-    atom_log_max: torch.Tensor | None,
+    atoms: Atoms,
     row_filter: RowFilter,
     resolve: Resolve,
     vocab_size: int,
     options: LawOptions,
 ) -> _Kept:
     """Resolve the atoms near the row's cutoff, the heaviest first, recomputing the cutoff after each
-    ``_RESOLVE_CHUNK`` (it only rises as tokens are added for top_k / min_p), then apply the filters."""
+    ``_RESOLVE_CHUNK`` (it only rises as tokens are added), then apply vLLM's filters to the exact tokens."""
     finite = torch.isfinite(logits)
     ids, logits = ids[finite], logits[finite]
-    atoms = torch.nonzero(torch.isfinite(atom_log_mass)).flatten()
-    masses = atom_log_mass[atoms]
-    certified = _is_certified(row_filter, vocab_size)
+    clusters = torch.nonzero(torch.isfinite(atoms.log_mass)).flatten()
+    largest = atoms.largest[clusters]
     resolved, over = 0, False
-    while (certified or row_filter.top_p < 1.0) and atoms.numel():
-        # top_k / min_p: an atom's place is its heaviest member's estimated weight. top_p alone: its members' mean
-        # weight, and its mass counts whole.
-        if certified:
-            keys = atom_log_max[atoms] if atom_log_max is not None else masses
-        else:
-            keys = _atom_keys(atoms, masses, atom_log_size)
-        if certified:
-            cut = _filter_cutoff(logits, row_filter, vocab_size)
-        else:
-            order_keys = torch.cat([logits, keys])
-            cut = float(order_keys[nucleus(torch.cat([logits, masses]), row_filter.top_p, order_keys)].min())
-        near = torch.nonzero(keys + options.margin >= cut).flatten()
+    while clusters.numel():
+        near = torch.nonzero(largest + options.margin >= _filter_cutoff(logits, row_filter, vocab_size)).flatten()
         if not near.numel():
             break
         if resolved >= options.budget:
             over = True
             break
-        near = near[keys[near].topk(min(near.numel(), _RESOLVE_CHUNK, options.budget - resolved)).indices]
-        new_ids, new_logits = resolve(atoms[near])
+        near = near[largest[near].topk(min(near.numel(), _RESOLVE_CHUNK, options.budget - resolved)).indices]
+        new_ids, new_logits = resolve(clusters[near])
         keep = torch.isfinite(new_logits)
         ids, logits = torch.cat([ids, new_ids[keep]]), torch.cat([logits, new_logits[keep]])
-        rest = torch.ones(atoms.numel(), dtype=torch.bool, device=atoms.device)
+        rest = torch.ones(clusters.numel(), dtype=torch.bool, device=clusters.device)
         rest[near] = False
-        atoms, masses = atoms[rest], masses[rest]
+        clusters, largest = clusters[rest], largest[rest]
         resolved += int(near.numel())
-    if certified:
-        kept = _filtered(logits, row_filter, vocab_size)
-        ids, logits = ids[kept], logits[kept]
-        atoms, masses = atoms[:0], masses[:0]
-    elif row_filter.top_p < 1.0:
-        order_keys = torch.cat([logits, _atom_keys(atoms, masses, atom_log_size)])
-        kept = nucleus(torch.cat([logits, masses]), row_filter.top_p, order_keys)
-        tokens_kept, atoms_kept = kept[: logits.numel()], kept[logits.numel() :]
-        ids, logits = ids[tokens_kept], logits[tokens_kept]
-        atoms, masses = atoms[atoms_kept], masses[atoms_kept]
-    if ids.numel() + atoms.numel() == 0:
+    kept = logits >= _filter_cutoff(logits, row_filter, vocab_size)
+    if row_filter.top_p < 1.0:
+        inside = torch.nonzero(kept).flatten()
+        kept = torch.zeros_like(kept)
+        kept[inside[nucleus(logits[inside], row_filter.top_p)]] = True
+    if not bool(kept.any()):
         raise ValueError("a compact row with nothing to draw from")
-    return _Kept(ids, logits, atoms, masses, resolved, over)
-
-
-def _atom_keys(atoms: torch.Tensor, masses: torch.Tensor, atom_log_size: torch.Tensor | None) -> torch.Tensor:
-    """An atom's place in the top_p order: its members' mean weight (its mass without sizes)."""
-    return masses if atom_log_size is None else masses - atom_log_size[atoms]
-
-
-def _members(resolve: Resolve, atom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    member_ids, member_logits = resolve(atom.view(1))
-    keep = torch.isfinite(member_logits)
-    if not bool(keep.any()):
-        raise ValueError(f"cluster {int(atom)} has no member to draw")
-    return member_ids[keep], member_logits[keep]
+    return _Kept(ids[kept], logits[kept], resolved, over)
 
 
 def _draw_row(
     ids: torch.Tensor,
     logits: torch.Tensor,
-    atom_log_mass: torch.Tensor,
+    atoms: Atoms,
     row_filter: RowFilter,
     key: torch.Tensor,
     resolve: Resolve,
     vocab_size: int,
     options: LawOptions,
-    atom_log_size: torch.Tensor | None,
-    atom_log_max: torch.Tensor | None,
 ) -> _RowDraw:
     """One row's draw."""
-    kept = _kept(ids, logits, atom_log_mass, atom_log_size, atom_log_max, row_filter, resolve, vocab_size, options)
-    ids, atoms = kept.ids, kept.atoms
-    scores = torch.cat([kept.logits, kept.masses]).double() + gumbel(key, torch.cat([ids, atoms + vocab_size]))
-    winner = int(scores.argmax())
-    temperature_only = not _is_certified(row_filter, vocab_size) and row_filter.top_p >= 1.0
-    if winner < ids.numel():
-        return _RowDraw(int(ids[winner]), kept.resolved, kept.over_budget, False, 0.0 if temperature_only else None)
-    atom = winner - ids.numel()
-    member_ids, member_logits = _members(resolve, atoms[atom])
-    inner = member_logits.double() + gumbel(derived_keys(key), member_ids)
-    token = int(member_ids[int(inner.argmax())])
-    bound = None
-    if temperature_only:
-        exact_mass = float(torch.logsumexp(member_logits.double(), 0))
-        bound = abs(math.expm1(exact_mass - float(kept.masses[atom])))
-    return _RowDraw(token, kept.resolved + 1, kept.over_budget, True, bound)
-
-
-def row_law(
-    ids: torch.Tensor,
-    logits: torch.Tensor,
-    atom_log_mass: torch.Tensor,
-    row_filter: RowFilter,
-    resolve: Resolve,
-    vocab_size: int,
-    options: LawOptions = DEFAULT_OPTIONS,
-    atom_log_size: torch.Tensor | None = None,
-    atom_log_max: torch.Tensor | None = None,
-) -> RowLaw:
-    """The law :func:`draw` draws one row from (every kept atom resolved to spread its mass by the exact
-    conditional); the reference the tests and the fidelity measurements compare with."""
-    kept = _kept(ids, logits, atom_log_mass, atom_log_size, atom_log_max, row_filter, resolve, vocab_size, options)
-    weights = torch.softmax(torch.cat([kept.logits, kept.masses]).double(), dim=0)
-    law = torch.zeros(vocab_size, dtype=torch.float64, device=ids.device)
-    law.index_add_(0, kept.ids, weights[: kept.ids.numel()])
-    if kept.atoms.numel():
-        member_ids, member_logits = resolve(kept.atoms)  # the atoms' members, cluster after cluster
-        per_atom = member_logits.double().view(kept.atoms.numel(), -1)
-        shares = torch.softmax(per_atom, dim=1) * weights[kept.ids.numel() :].view(-1, 1)
-        finite = torch.isfinite(per_atom).view(-1)
-        law.index_add_(0, member_ids[finite], shares.view(-1)[finite])
-    return RowLaw(law, kept.resolved, kept.over_budget)
+    if _is_threshold(row_filter, vocab_size):
+        pool = _threshold_pool(ids, logits, atoms, row_filter, resolve, options)
+        return _threshold_draw(pool, atoms, key, resolve, vocab_size, options)
+    kept = _certified(ids, logits, atoms, row_filter, resolve, vocab_size, options)
+    winner = int((kept.logits.double() + gumbel(key, kept.ids)).argmax())
+    return _RowDraw(int(kept.ids[winner]), kept.resolved, kept.over_budget, False, None)

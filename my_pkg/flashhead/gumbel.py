@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["derived_keys", "gumbel", "row_keys", "splitmix64"]
+__all__ = ["derived_keys", "gumbel", "row_keys", "splitmix64", "uniform"]
 
 _MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -52,9 +52,14 @@ def derived_keys(keys: torch.Tensor) -> torch.Tensor:
     return splitmix64(keys + _signed(_SECOND_STREAM))
 
 
+def uniform(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``float64`` uniforms in ``(0, 1)`` of ``ids`` (int64, ``[..., N]``) under ``keys`` (broadcast against ``ids``):
+    the uniform vLLM's CPU kernel turns into token ``id``'s noise."""
+    bits = _shift_right(splitmix64(keys + (ids + 1) * _signed(GOLDEN)), 11)
+    return (bits.to(torch.float64) + 0.5) * 2.0**-53
+
+
 def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``float64`` Gumbel noise of ``ids`` (int64, ``[..., N]``) under ``keys`` (broadcast against ``ids``, e.g.
     ``[B, 1]`` for ``[B, N]``): vLLM's CPU kernel's noise for token ``id`` of a row drawn with that key."""
-    bits = _shift_right(splitmix64(keys + (ids + 1) * _signed(GOLDEN)), 11)
-    uniform = (bits.to(torch.float64) + 0.5) * 2.0**-53
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(uniform(keys, ids)))

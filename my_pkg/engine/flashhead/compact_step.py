@@ -199,13 +199,11 @@ def draw(
     drawn = compact_draw(
         compact.exact_ids,
         exact,
-        compact.atom_log_mass,
+        compact.atoms,
         plan.filters(top_k, top_p),
         row_keys(seeds),
         lambda row, clusters: plan.head.resolve(compact, row, clusters),
         plan.head.head.vocab_size,
-        atom_log_size=compact.atom_log_size,
-        atom_log_max=compact.atom_log_max,
     )
     tally["rows"] += compact.num_rows
     tally["resolved_clusters"] += drawn.resolved_clusters
