@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from my_pkg.flashhead.compact import CompactHead, compact_clusters
-from my_pkg.flashhead.compact_law import DEFAULT_OPTIONS, Atoms, LawOptions, RowFilter, draw, missed_mass, nucleus, row_law
+from my_pkg.flashhead.compact_law import (
+    DEFAULT_OPTIONS,
+    Atoms,
+    LawOptions,
+    RowFilter,
+    draw,
+    missed_mass,
+    nucleus,
+    row_law,
+)
 from my_pkg.flashhead.gumbel import gumbel, row_keys
 from my_pkg.flashhead.head import PinnedIds
 from tests.support.heads import random_head
