@@ -41,17 +41,19 @@ class CompactCounters(WorkerReply):
 
     rows: int = Field(default=0, description="Rows drawn from the compact law (also in `rows_flashhead`).")
     resolved_clusters: int = Field(
-        default=0, description="Clusters scored exactly at draw time: near a filter's cutoff, or a drawn atom."
+        default=0, description="Clusters scored exactly at draw time: near a filter's cutoff, or a proposed atom."
     )
     over_budget_rows: int = Field(
-        default=0, description="Rows with more clusters near their cutoff than the budget: the lightest stayed atoms."
+        default=0, description="Rows that needed more clusters than the budget: the rest were dropped."
     )
     atom_rows: int = Field(default=0, description="Rows whose token was drawn from an atom (a cluster outside E).")
-    bound_rows: int = Field(default=0, description="Temperature-only rows (no top_k, top_p or min_p).")
+    bound_rows: int = Field(
+        default=0, description="Threshold rows (no top_k; not min_p with top_p): temperature only, min_p, top_p."
+    )
     bound_sum: float = Field(
         default=0.0,
-        description="Over `bound_rows`: the sum of each row's unbiased estimate of its bound on the total variation "
-        "distance to the dense law (divide by `bound_rows` for the mean bound).",
+        description="Over `bound_rows`: the sum of each row's estimate of the mass its margin missed, over its exact "
+        "set's kept mass (divide by `bound_rows` for the mean; 0 while no member exceeds its estimate by the margin).",
     )
     unmatched_rows: int = Field(
         default=0,

@@ -107,11 +107,13 @@ def families(snapshot: StatusSnapshot | None) -> list[Metric]:
         labels=_WORKER,
     )
     compact_rows = counter("compact_rows", "Sampled rows the plugin drew from the compact law (of path=flashhead).")
-    compact_bound_rows = counter("compact_bound_rows", "Compact rows with temperature only (no top_k, top_p, min_p).")
+    compact_bound_rows = counter(
+        "compact_bound_rows", "Compact threshold rows (temperature only, min_p alone or top_p alone)."
+    )
     compact_bound = counter(
         "compact_bound",
-        "Sum over compact_bound_rows of each row's unbiased estimate of its bound on the total variation distance to "
-        "the dense law (divide by compact_bound_rows for the mean bound).",
+        "Sum over compact_bound_rows of each row's estimate of the mass its margin missed, over its exact set's kept "
+        "mass (divide by compact_bound_rows for the mean; 0 while the margin holds).",
     )
     compact_missed = counter(
         "compact_missed_rows",
