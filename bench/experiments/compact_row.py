@@ -2,7 +2,8 @@
 
 Each side is what a sampled decode step costs from the head to the drawn token, on a random head (random balanced
 clusters, the sampled rows' default rescored tokens with a fitted estimate, rank ``min(64, H / 8)``), hidden states
-``randn / sqrt(H) * 3``, temperature 0.7, top_p 0.9:
+``randn / sqrt(H) * --hidden-scale`` (3: peaked rows; 0.5: flat rows, whose nucleus holds most of the vocabulary),
+temperature 0.7, top_p 0.9:
 
 * compact: ``CompactHead.plan`` (the placeholder and the plan) and ``compact_law.draw`` reading the exact sets from it;
 * full row: ``FlashHead.step_logits`` for sampled rows, the plugin's sort-free top-p (``my_pkg.sampling``) and a
@@ -12,6 +13,7 @@ Prints each side's median of ``--rounds`` calls (after one warm-up call) per sha
 
     python -m bench.experiments.compact_row
     python -m bench.experiments.compact_row --shapes 32768x384 --batches 1 --rounds 3
+    python -m bench.experiments.compact_row --shapes 262144x640 --hidden-scale 0.5
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="32768x384,128256x2048,262144x640", help="VxH,...")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--hidden-scale", type=float, default=3.0, help="hidden states randn / sqrt(H) * this")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         head.sampled_rescore = default_sampled_rescore(vocab, fitted=True)
         for batch in (int(b) for b in args.batches.split(",")):
-            hidden = torch.randn(batch, hidden_size, generator=generator) / math.sqrt(hidden_size) * 3
+            hidden = torch.randn(batch, hidden_size, generator=generator) / math.sqrt(hidden_size) * args.hidden_scale
             compact, full_row = sides(head, hidden)
             compact(), full_row()  # warm-up
             ours, theirs = median_ms(compact, args.rounds), median_ms(full_row, args.rounds)

@@ -10,11 +10,11 @@ top_p renormalised over what is left; top_p keeps a token iff the mass before it
   (``τ = -inf``; ``max z + ln min_p``; the nucleus's last weight).  For min_p, ``τ`` is exact once every atom that
   could hold a larger logit than ``E``'s is scored; for top_p, ``τ`` is the nucleus over ``E``'s exact logits and
   every atom member's estimate (normalised by ``Z_E + Σ M̂_c``), the one estimated quantity.  The row is drawn
-  *exactly* from the softmax of ``{z_v : z_v >= τ}`` by rejection: the proposal weighs a token of ``E`` by
-  ``exp(z_v)`` and an atom's member by its bound ``exp(ẑ_v + δ)``; a proposed member is scored with its cluster
-  (*resolved*) and kept with probability ``exp(z_v - ẑ_v - δ)`` if ``z_v >= τ``; otherwise the cluster's members
-  join the exact tokens and the proposal is drawn again.  Only proposed clusters are scored.  Without a miss the
-  law is vLLM's dense one (top_p: at the estimated ``τ``).
+  *exactly* from the softmax of ``{z_v : z_v >= τ}`` by rejection: the proposal weighs a kept token of ``E`` by
+  ``exp(z_v)`` and an atom's member by its bound ``exp(ẑ_v + δ)`` (0 below ``τ`` where few atoms reach it); a
+  proposed member is scored with its cluster (*resolved*) and accepted with probability ``exp(z_v - ẑ_v - δ)`` if
+  ``z_v >= τ``, else the next proposal is taken.  Only proposed clusters are scored.  Without a miss the law is
+  vLLM's dense one (top_p: at the estimated ``τ``).
 * **Certified rows** (top_k; min_p with top_p): every atom whose largest member estimate plus ``δ`` reaches the
   filter's cutoff is resolved, the heaviest first, ``_RESOLVE_CHUNK`` at a time, with the cutoff computed again as
   resolved tokens raise it, up to ``budget`` clusters; the rest are dropped and vLLM's filters run on the exact
@@ -25,16 +25,18 @@ reports an estimate of the mass its margin missed (:attr:`Drawn.bound_sum`): for
 drew (0 when it drew a token of ``E``), ``Σ_v (exp z_v − exp(ẑ_v + δ))⁺ / (exp(ẑ + δ) mass of the cluster)``, times
 the proposal's total over ``E``'s kept mass, whose mean over rows is at least the missed mass over ``Z``.
 
-The noise is vLLM's CPU noise (:mod:`~my_pkg.flashhead.gumbel`): the first proposal is a Gumbel-max that gives a
-token of ``E`` the noise vLLM's kernel would give it (an atom ``c`` the noise of id ``V + c``); later proposals, the
-member inside a cluster and the acceptance take further streams of the same key.  Given the seed, the draw is a
-function of the row alone: a seeded request's text does not depend on its batch.
+The randomness comes from the row's key (:mod:`~my_pkg.flashhead.gumbel`, SplitMix64 of vLLM's seed): a row with
+no atom left to propose (every certified row; a threshold row whose atoms all lie below its cut) is a Gumbel-max over
+its kept exact tokens with the noise vLLM's CPU kernel gives them, so it draws vLLM's own token; a threshold row
+with atoms draws its proposals, the member inside a cluster and the acceptances from further streams of the key.
+Given the seed, the draw is a function of the row alone: a seeded request's text does not depend on its batch.
 
 Imports torch only.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,8 +70,17 @@ DEFAULT_BUDGET = 64
 _WINDOW = 1024
 #: Atoms a certified row resolves at a time before its cutoff is computed again.
 _RESOLVE_CHUNK = 16
-#: Atoms (by their largest member estimate) the top_p cut reads first; four times as many while the cut is unsure.
-_CUT_ATOMS = 64
+#: Atoms (by their largest member estimate) the top_p cut reads first; four times as many while the cut is unsure,
+#: up to ``_CUT_ATOMS``; then every atom, into ``_CUT_BUCKETS`` buckets of weight.
+_CUT_FIRST_ATOMS = 64
+_CUT_ATOMS = 256
+_CUT_BUCKETS = 4096
+_CUT_RANGE = 40.0
+#: Proposals a threshold row draws at a time (all rejected: about 1 % of rows at the default margin, which accepts at
+#: least one in four).
+_PROPOSALS = 16
+#: A pool of more atoms than this bounds each by its whole estimated mass rather than by its members above the cut.
+_MASKED_BOUND_ATOMS = 64
 
 Resolve = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -203,7 +214,7 @@ def row_law(
             pool = pool._replace(ids=torch.cat([pool.ids, new_ids]), logits=torch.cat([pool.logits, new_logits]))
         kept = pool.logits >= pool.cut
         law.index_add_(0, pool.ids[kept], torch.softmax(pool.logits[kept].double(), 0))
-        return RowLaw(law, resolved, False)
+        return RowLaw(law, resolved, pool.over_budget)
     kept = _certified(ids, logits, atoms, row_filter, resolve, vocab_size, options)
     law.index_add_(0, kept.ids, torch.softmax(kept.logits.double(), 0))
     return RowLaw(law, kept.resolved, kept.over_budget)
@@ -229,7 +240,9 @@ def missed_mass(
         return 0.0
     _, member_logits = resolve(pool.unscored)
     kept = torch.where(member_logits >= pool.cut, member_logits.double(), float("-inf"))
-    bounds = _bounds(atoms, pool.unscored, pool.cut, options.margin).reshape(-1)
+    bounds = _bounds(atoms, pool.unscored, pool.bound_cut, options.margin)
+    bounds[~torch.isin(pool.unscored, pool.clusters)] = float("-inf")  # atoms no proposal reaches
+    bounds = bounds.reshape(-1)
     missed = float((kept.exp() - bounds.exp()).clamp(min=0).sum())
     exact = pool.logits[pool.logits >= pool.cut].double()
     return missed / float(torch.logsumexp(exact, 0).exp()) if missed else 0.0
@@ -291,9 +304,11 @@ class _Pool(NamedTuple):
     ids: torch.Tensor
     logits: torch.Tensor
     cut: float
+    bound_cut: float  # the members' bounds are -inf below it: the cut, or -inf
     clusters: torch.Tensor
     log_bound: torch.Tensor
     resolved: int
+    over_budget: bool  # min_p: atoms that could hold a larger logit were left unscored
     unscored: torch.Tensor  # every atom not scored yet, near the cut or not
 
 
@@ -310,99 +325,177 @@ def _threshold_pool(
     ids, logits = ids[finite], logits[finite]
     clusters = torch.nonzero(torch.isfinite(atoms.log_mass)).flatten()
     largest = atoms.largest[clusters]
-    resolved = 0
+    resolved, over = 0, False
     cut = float("-inf")
     if row_filter.min_p > 0.0:
-        # The cut is the largest logit's: score first every atom that could hold a larger one than E's.
-        while logits.numel() or clusters.numel():
+        # The cut is the largest logit's: score first every atom that could hold a larger one than E's, the
+        # largest first, within the budget.
+        while clusters.numel():
             top = float(logits.max()) if logits.numel() else float("-inf")
-            higher = largest + options.margin > top
-            if not bool(higher.any()):
+            higher = torch.nonzero(largest + options.margin > top).flatten()
+            if not higher.numel():
                 break
+            if resolved >= options.budget:
+                over = True
+                break
+            higher = higher[largest[higher].topk(min(higher.numel(), options.budget - resolved)).indices]
             new_ids, new_logits = resolve(clusters[higher])
             keep = torch.isfinite(new_logits)
             ids, logits = torch.cat([ids, new_ids[keep]]), torch.cat([logits, new_logits[keep]])
-            resolved += int(higher.sum())
-            clusters, largest = clusters[~higher], largest[~higher]
-        cut = float(logits.max()) + math.log(row_filter.min_p)
+            resolved += int(higher.numel())
+            rest = torch.ones(clusters.numel(), dtype=torch.bool, device=clusters.device)
+            rest[higher] = False
+            clusters, largest = clusters[rest], largest[rest]
+        cut = float(logits.max()) + math.log(row_filter.min_p) if logits.numel() else float("-inf")
     elif row_filter.top_p < 1.0:
         log_total = torch.logsumexp(torch.cat([logits, atoms.log_mass[clusters]]).double(), 0)
-        cut = _nucleus_cut(logits, atoms.estimates, clusters, largest, float(log_total), row_filter.top_p)
+        cut = _nucleus_cut(logits, atoms, clusters, largest, float(log_total), row_filter.top_p)
     unscored = clusters
     clusters = clusters[largest + options.margin >= cut]
-    if cut == float("-inf"):  # every member counts: the bounds' total is the estimated mass's
-        log_bound = atoms.log_mass[clusters].double() + options.margin
-    elif clusters.numel():
+    if clusters.numel() <= _MASKED_BOUND_ATOMS:
+        bound_cut = cut
         log_bound = torch.logsumexp(_bounds(atoms, clusters, cut, options.margin), 1)
-    else:
-        log_bound = atoms.log_mass.new_empty(0, dtype=torch.float64)
-    return _Pool(ids, logits, cut, clusters, log_bound, resolved, unscored)
+    else:  # every member bounded (a larger bound: valid, cheaper than reading each member of many atoms)
+        bound_cut = float("-inf")
+        log_bound = atoms.log_mass[clusters].double() + options.margin
+    return _Pool(ids, logits, cut, bound_cut, clusters, log_bound, resolved, over, unscored)
 
 
 def _nucleus_cut(
-    logits: torch.Tensor,
-    estimates: torch.Tensor,
-    clusters: torch.Tensor,
-    largest: torch.Tensor,
-    log_total: float,
-    top_p: float,
+    logits: torch.Tensor, atoms: Atoms, clusters: torch.Tensor, largest: torch.Tensor, log_total: float, top_p: float
 ) -> float:
-    """The last weight top_p keeps over ``E``'s exact logits and the member estimates of every atom in ``clusters``
-    (``largest``: each one's largest), normalised by ``log_total``.  Reads the atoms with the largest members first:
-    the cut is final once it is at least the largest member left unread."""
+    """The last weight top_p keeps over ``E``'s exact logits and the member estimates of the atoms ``clusters``
+    (``largest``: each one's largest member), normalised by ``log_total``.  Reads the atoms with the largest members
+    first: the cut is final once it is at least the largest member left unread.  A flat row (the cut not final after
+    ``_CUT_ATOMS`` atoms) reads them all, into a histogram (:func:`_mass_cut`)."""
     count = clusters.numel()
-    take = min(count, _CUT_ATOMS)
-    while True:
+    take = min(count, _CUT_FIRST_ATOMS)
+    exact_mass = float(torch.logsumexp(logits.double(), 0)) if logits.numel() else float("-inf")
+    while take <= _CUT_ATOMS:
         top = largest.topk(min(count, take + 1))
         read = clusters[top.indices[:take]]
-        values = torch.cat([logits, estimates[read].reshape(-1)]).double()
-        values = values[torch.isfinite(values)]
-        ordered = values.topk(min(values.numel(), _WINDOW)).values
+        read_mass = torch.logsumexp(torch.cat([atoms.log_mass[read].double(), torch.tensor([exact_mass])]), 0)
+        if float(read_mass) - log_total < math.log(top_p) and take < count:
+            take = min(count, take * 4)  # these atoms and E hold less than top_p: the cut lies past them
+            continue
+        values = torch.cat([logits, atoms.estimates[read].reshape(-1)])
+        ordered = values[torch.isfinite(values)].double().topk(min(values.numel(), _WINDOW)).values
         mass = torch.exp(ordered - log_total)
         kept = int(((mass.cumsum(0) - mass) < top_p).sum())
-        if kept == ordered.numel() < values.numel():
-            ordered = values.sort(descending=True).values
-            mass = torch.exp(ordered - log_total)
-            kept = int(((mass.cumsum(0) - mass) < top_p).sum())
-        unread = float(top.values[take]) if take < count else float("-inf")
-        if take == count or (kept < ordered.numel() and float(ordered[kept - 1]) >= unread):
+        unread_largest = float(top.values[take]) if take < count else float("-inf")
+        if kept < ordered.numel() and float(ordered[kept - 1]) >= unread_largest:
             return float(ordered[max(kept, 1) - 1])
+        if take == count:
+            break
         take = min(count, take * 4)
+    is_atom = torch.zeros(atoms.log_mass.shape, dtype=logits.dtype, device=clusters.device)
+    is_atom[clusters] = 1.0
+    high = max(float(logits.max()) if logits.numel() else float("-inf"), float(largest.max()))
+    return _mass_cut(logits, atoms.estimates, is_atom, high, log_total, top_p)
+
+
+def _mass_cut(
+    logits: torch.Tensor, estimates: torch.Tensor, is_atom: torch.Tensor, high: float, log_total: float, top_p: float
+) -> float:
+    """The last weight top_p keeps among ``logits`` and the estimates ``[C, cap]`` of the clusters with ``is_atom``
+    1 (``high``: the largest of them) normalised by ``log_total``, without a sort: the masses summed into
+    ``_CUT_BUCKETS`` buckets of weight over the ``_CUT_RANGE`` nats below ``high`` (lighter values into the last),
+    then only the bucket where the mass reaches ``top_p`` sorted."""
+    scale = (_CUT_BUCKETS - 1) / _CUT_RANGE
+    mass = torch.zeros(_CUT_BUCKETS, dtype=torch.float64)
+    buckets = []
+    for values, weight in ((logits, None), (estimates, is_atom.view(-1, 1))):
+        shifted = values.float() - high
+        bucket = shifted.mul(-scale).clamp_(0, _CUT_BUCKETS - 1).long()
+        masses = shifted.add_(high - log_total).exp_()
+        if weight is not None:
+            masses.mul_(weight)
+        mass += torch.bincount(bucket.view(-1), weights=masses.view(-1), minlength=_CUT_BUCKETS).double()
+        buckets.append(bucket.view(-1))
+    reached = mass.cumsum(0)
+    crossing = min(int((reached < top_p).sum()), _CUT_BUCKETS - 1)
+    in_logits = logits[buckets[0] == crossing]
+    slots = torch.nonzero(buckets[1] == crossing).flatten()
+    slots = slots[is_atom[slots // estimates.shape[-1]] > 0]
+    inside = torch.cat([in_logits, estimates.view(-1)[slots]]).double()
+    inside = inside[torch.isfinite(inside)].sort(descending=True).values
+    inside_mass = torch.exp(inside - log_total)
+    before = float(reached[crossing] - mass[crossing]) + inside_mass.cumsum(0) - inside_mass
+    return float(inside[max(int((before < top_p).sum()), 1) - 1])
 
 
 def _threshold_draw(
     pool: _Pool, atoms: Atoms, key: torch.Tensor, resolve: Resolve, vocab_size: int, options: LawOptions
 ) -> _RowDraw:
-    """The rejection draw of the module docstring."""
+    """The rejection draw of the module docstring: proposals drawn ``_PROPOSALS`` at a time from one fixed proposal
+    (inverse CDF), the first accepted one kept.  With no atom to propose, vLLM's own Gumbel-max over the exact
+    tokens."""
     ids, logits, cut, clusters, log_bound = pool.ids, pool.logits, pool.cut, pool.clusters, pool.log_bound
-    resolved, over, bound, first, from_e = pool.resolved, False, 0.0, True, ids.numel()
-    while True:
-        exact = torch.where(logits >= cut, logits.double(), float("-inf"))
-        if resolved >= options.budget and clusters.numel():
-            over, clusters, log_bound = True, clusters[:0], log_bound[:0]
-        scores = torch.cat([exact + gumbel(key, ids), log_bound + gumbel(key, clusters + vocab_size)])
-        if not bool(torch.isfinite(scores).any()):
-            raise ValueError("a compact row with nothing to draw from")
-        winner = int(scores.argmax())
-        if winner < ids.numel():
-            return _RowDraw(int(ids[winner]), resolved, over, winner >= from_e, bound)
-        atom = winner - ids.numel()
-        member_key = derived_keys(key)
-        bounds = _bounds(atoms, clusters[atom], cut, options.margin)
-        slot = int((bounds + gumbel(member_key, atoms.members[clusters[atom]])).argmax())
-        new_ids, new_logits = resolve(clusters[atom].view(1))
-        resolved += 1
-        z = float(new_logits[slot])
-        if first:
-            bound = _missed_mass(exact, new_logits, bounds, log_bound, cut)
-        if z >= cut and float(uniform(derived_keys(member_key), new_ids[slot])) < math.exp(z - float(bounds[slot])):
-            return _RowDraw(int(new_ids[slot]), resolved, over, True, bound)
-        keep = torch.isfinite(new_logits)
-        ids, logits = torch.cat([ids, new_ids[keep]]), torch.cat([logits, new_logits[keep]])
-        rest = torch.ones(clusters.numel(), dtype=torch.bool, device=clusters.device)
-        rest[atom] = False
-        clusters, log_bound = clusters[rest], log_bound[rest]
-        key, first = derived_keys(member_key + 1), False
+    exact = torch.where(logits >= cut, logits.double(), float("-inf"))
+    if not clusters.numel():
+        return _exact_draw(ids, exact, key, pool.resolved, pool.over_budget, None, 0.0)
+    weights = torch.cat([exact, log_bound])
+    cdf = torch.exp(weights - weights.max()).cumsum(0)
+    resolved, bound, scored = pool.resolved, 0.0, {}
+    for batch in itertools.count():
+        streams = derived_keys(key + 3 * batch + torch.arange(3))
+        slots = torch.arange(_PROPOSALS)
+        picks = torch.searchsorted(cdf, uniform(streams[0], slots) * cdf[-1]).clamp_(max=cdf.numel() - 1).tolist()
+        for proposal, pick in enumerate(picks):
+            if pick < ids.numel():
+                return _RowDraw(int(ids[pick]), resolved, pool.over_budget, False, bound)
+            atom = pick - ids.numel()
+            if atom not in scored:
+                if resolved >= options.budget:
+                    return _over_budget_draw(ids, exact, scored, cut, key, resolved, bound)
+                scored[atom] = resolve(clusters[atom].view(1))
+                resolved += 1
+            new_ids, new_logits = scored[atom]
+            bounds = _bounds(atoms, clusters[atom], pool.bound_cut, options.margin)
+            member_cdf = torch.exp(bounds - bounds.max()).cumsum(0)
+            member = float(uniform(streams[1], slots[proposal])) * float(member_cdf[-1])
+            slot = min(int(torch.searchsorted(member_cdf, member)), member_cdf.numel() - 1)
+            z = float(new_logits[slot])
+            if batch == 0 and proposal == 0:
+                bound = _missed_mass(exact, new_logits, bounds, log_bound, cut)
+            if z >= cut and float(uniform(streams[2], slots[proposal])) < math.exp(z - float(bounds[slot])):
+                return _RowDraw(int(new_ids[slot]), resolved, pool.over_budget, True, bound)
+    raise AssertionError("unreachable")
+
+
+def _exact_draw(
+    ids: torch.Tensor,
+    exact: torch.Tensor,
+    key: torch.Tensor,
+    resolved: int,
+    over_budget: bool,
+    from_atom_after: int | None,
+    bound: float,
+) -> _RowDraw:
+    """Gumbel-max over exact tokens with vLLM's noise (``-inf``: not kept)."""
+    scores = exact + gumbel(key, ids)
+    if not bool(torch.isfinite(scores).any()):
+        raise ValueError("a compact row with nothing to draw from")
+    winner = int(scores.argmax())
+    from_atom = from_atom_after is not None and winner >= from_atom_after
+    return _RowDraw(int(ids[winner]), resolved, over_budget, from_atom, bound)
+
+
+def _over_budget_draw(
+    ids: torch.Tensor,
+    exact: torch.Tensor,
+    scored: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    cut: float,
+    key: torch.Tensor,
+    resolved: int,
+    bound: float,
+) -> _RowDraw:
+    """The budget ran out: the draw from the exact tokens and the clusters scored so far, the rest dropped."""
+    count = ids.numel()
+    for new_ids, new_logits in scored.values():
+        ids = torch.cat([ids, new_ids])
+        exact = torch.cat([exact, torch.where(new_logits >= cut, new_logits.double(), float("-inf"))])
+    return _exact_draw(ids, exact, key, resolved, True, count, bound)
 
 
 def _missed_mass(

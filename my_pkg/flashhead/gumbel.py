@@ -4,8 +4,8 @@ vLLM's CPU sampler draws a row as ``argmax(logits + g)`` (``torch.ops._C.fused_g
 ``v``'s noise is ``g = -log(-log(u))`` and ``u`` comes from SplitMix64: ``key = mix(seed)``,
 ``u = (mix(key + (v + 1) * GOLDEN) >> 11 + 0.5) / 2**53``.  :func:`gumbel` gives the same values for any ids, so
 a draw over a few thousand exact tokens adds to each the noise vLLM's kernel adds to it, and the same seed
-reproduces the same draw.  Ids past the vocabulary (a compact law's atoms, :mod:`~my_pkg.flashhead.compact_law`)
-take their noise from the same stream; :func:`derived_keys` gives a second stream for a draw inside a cluster.
+reproduces the same draw.  :func:`uniform` gives the uniforms behind it, and :func:`derived_keys` further streams
+of a key (the compact law's proposals and acceptances, :mod:`~my_pkg.flashhead.compact_law`).
 
 Torch's ``int64`` arithmetic wraps on overflow as unsigned 64-bit arithmetic does; right shifts are made logical
 with a mask.  Imports torch only.

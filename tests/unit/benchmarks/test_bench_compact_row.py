@@ -17,6 +17,7 @@ def test_both_sides_draw_one_token_per_row_of_the_vocabulary():
 
 
 def test_it_prints_a_row_per_shape_and_batch(capsys):
-    assert compact_row.main(["--shapes", "2048x64", "--batches", "1,2", "--rounds", "1", "--threads", "1"]) == 0
+    argv = ["--shapes", "2048x64", "--batches", "1,2", "--rounds", "1", "--threads", "1", "--hidden-scale", "0.5"]
+    assert compact_row.main(argv) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2,048 × 64 |")]
     assert len(rows) == 2

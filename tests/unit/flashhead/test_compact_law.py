@@ -239,6 +239,10 @@ def test_a_threshold_row_without_budget_draws_from_its_exact_set():
     drawn = _draws(compact, rows, exact, 0, RowFilter(), torch.arange(50), LawOptions(budget=0))
     assert drawn.over_budget_rows == 50 and drawn.resolved_clusters == 0
     assert set(drawn.tokens.tolist()) <= set(rows.exact_ids[0][rows.exact_valid[0]].tolist())
+    # min_p: more atoms could hold a larger logit than the exact set's (a wide margin) than the budget scores.
+    wide = LawOptions(margin=10.0, budget=3)
+    drawn = _draws(compact, rows, exact, 0, RowFilter(min_p=0.1), torch.arange(5), wide)
+    assert drawn.over_budget_rows == 5 and drawn.resolved_clusters == 5 * 3
 
 
 def test_the_missed_mass_estimate_is_unbiased():
@@ -270,23 +274,27 @@ def test_the_nucleus_is_vllms_keep_rule(count, top_p, scale):
     assert torch.equal(nucleus(values, top_p), expected)
 
 
+def _cut_case(clusters: int, scale: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(300, generator=g) * scale + scale
+    estimates = torch.randn(clusters, 16, generator=g) * scale
+    estimates[torch.rand(clusters, 16, generator=g) < 0.05] = -math.inf
+    atoms = Atoms(torch.logsumexp(estimates, 1), estimates.amax(1), estimates, torch.arange(clusters * 16).view(-1, 16))
+    chosen = torch.arange(0, clusters, 2)  # every other cluster is an atom
+    values = torch.cat([logits, estimates[chosen].reshape(-1)]).double()
+    values = values[torch.isfinite(values)]
+    ordered = values.sort(descending=True).values
+    return logits, atoms, chosen, ordered, float(torch.logsumexp(values, 0))
+
+
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
 @pytest.mark.parametrize("scale", [0.05, 1.0, 6.0])
 def test_the_top_p_cut_reads_the_atoms_it_needs_and_agrees_with_a_full_sort(top_p, scale):
-    """The cut over exact logits and every member estimate, reading atoms by their largest member, is the weight of
-    the last token a sort of all of them keeps."""
+    """The cut over exact logits and every member estimate (read by atom, the largest members first; a flat row into
+    a histogram) is the weight of the last token a sort of all of them keeps."""
     from my_pkg.flashhead.compact_law import _nucleus_cut
 
-    g = torch.Generator().manual_seed(int(scale * 100) + int(top_p * 10))
-    logits = torch.randn(300, generator=g) * scale + scale
-    estimates = torch.randn(2000, 16, generator=g) * scale
-    estimates[torch.rand(2000, 16, generator=g) < 0.05] = -math.inf
-    clusters = torch.arange(0, 2000, 2)  # every other cluster is an atom
-    largest = estimates[clusters].amax(1)
-    values = torch.cat([logits, estimates[clusters].reshape(-1)]).double()
-    values = values[torch.isfinite(values)]
-    log_total = float(torch.logsumexp(values, 0))
-    ordered = values.sort(descending=True).values
+    logits, atoms, chosen, ordered, log_total = _cut_case(4000, scale, int(scale * 100) + int(top_p * 10))
     mass = (ordered - log_total).exp()
     expected = float(ordered[int(((mass.cumsum(0) - mass) < top_p).sum()) - 1])
-    assert _nucleus_cut(logits, estimates, clusters, largest, log_total, top_p) == expected
+    assert _nucleus_cut(logits, atoms, chosen, atoms.largest[chosen], log_total, top_p) == expected
