@@ -36,7 +36,6 @@ Imports torch only.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +78,8 @@ _CUT_RANGE = 40.0
 #: Proposals a threshold row draws at a time (all rejected: about 1 % of rows at the default margin, which accepts at
 #: least one in four).
 _PROPOSALS = 16
+#: Batches of proposals before a row stops proposing and scores its heaviest atoms instead.
+_PROPOSAL_BATCHES = 4
 #: A pool of more atoms than this bounds each by its whole estimated mass rather than by its members above the cut.
 _MASKED_BOUND_ATOMS = 64
 
@@ -230,9 +231,10 @@ def missed_mass(
     options: LawOptions = DEFAULT_OPTIONS,
 ) -> float:
     """A threshold row's mass above its members' bounds over ``E``'s kept mass: ``Σ (exp z_v − b_v)⁺`` over every
-    atom member ``v`` the cut keeps, ``b_v = exp(ẑ_v + δ)`` where that reaches the cut and 0 elsewhere.  0 when no
-    member is missed (the draw's law is then :func:`row_law`'s); the mean of the draw's estimate otherwise.  Scores
-    every atom: for measurements and tests."""
+    atom member ``v`` the cut keeps, ``b_v`` the bound the draw's proposal gives it (``exp(ẑ_v + δ)``; 0 outside
+    the atoms that could hold a kept token, and below the cut where the proposal masks it).  0 when no member is
+    missed (the draw's law is then :func:`row_law`'s); the mean of the draw's estimate otherwise.  Scores every
+    atom: for measurements and tests."""
     if not _is_threshold(row_filter, vocab_size):
         raise ValueError(f"{row_filter} is no threshold row")
     pool = _threshold_pool(ids, logits, atoms, row_filter, resolve, options)
@@ -240,12 +242,13 @@ def missed_mass(
         return 0.0
     _, member_logits = resolve(pool.unscored)
     kept = torch.where(member_logits >= pool.cut, member_logits.double(), float("-inf"))
+    exact_mass = torch.logsumexp(pool.logits[pool.logits >= pool.cut].double(), 0)
+    if not bool(torch.isfinite(exact_mass)):  # E keeps nothing: over the kept members' mass instead
+        exact_mass = torch.logsumexp(kept, 0)
+    kept = kept - exact_mass
     bounds = _bounds(atoms, pool.unscored, pool.bound_cut, options.margin)
     bounds[~torch.isin(pool.unscored, pool.clusters)] = float("-inf")  # atoms no proposal reaches
-    bounds = bounds.reshape(-1)
-    missed = float((kept.exp() - bounds.exp()).clamp(min=0).sum())
-    exact = pool.logits[pool.logits >= pool.cut].double()
-    return missed / float(torch.logsumexp(exact, 0).exp()) if missed else 0.0
+    return float((kept.exp() - (bounds.reshape(-1) - exact_mass).exp()).clamp(min=0).sum())
 
 
 def nucleus(values: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -369,6 +372,8 @@ def _nucleus_cut(
     first: the cut is final once it is at least the largest member left unread.  A flat row (the cut not final after
     ``_CUT_ATOMS`` atoms) reads them all, into a histogram (:func:`_mass_cut`)."""
     count = clusters.numel()
+    if not count and not logits.numel():
+        return float("-inf")
     take = min(count, _CUT_FIRST_ATOMS)
     exact_mass = float(torch.logsumexp(logits.double(), 0)) if logits.numel() else float("-inf")
     while take <= _CUT_ATOMS:
@@ -379,7 +384,8 @@ def _nucleus_cut(
             take = min(count, take * 4)  # these atoms and E hold less than top_p: the cut lies past them
             continue
         values = torch.cat([logits, atoms.estimates[read].reshape(-1)])
-        ordered = values[torch.isfinite(values)].double().topk(min(values.numel(), _WINDOW)).values
+        values = values[torch.isfinite(values)].double()
+        ordered = values.topk(min(values.numel(), _WINDOW)).values
         mass = torch.exp(ordered - log_total)
         kept = int(((mass.cumsum(0) - mass) < top_p).sum())
         unread_largest = float(top.values[take]) if take < count else float("-inf")
@@ -437,11 +443,12 @@ def _threshold_draw(
     weights = torch.cat([exact, log_bound])
     cdf = torch.exp(weights - weights.max()).cumsum(0)
     resolved, bound, scored = pool.resolved, 0.0, {}
-    for batch in itertools.count():
-        streams = derived_keys(key + 3 * batch + torch.arange(3))
-        slots = torch.arange(_PROPOSALS)
-        picks = torch.searchsorted(cdf, uniform(streams[0], slots) * cdf[-1]).clamp_(max=cdf.numel() - 1).tolist()
-        for proposal, pick in enumerate(picks):
+    member_bounds: dict[int, torch.Tensor] = {}
+    for batch in range(_PROPOSAL_BATCHES):
+        streams = derived_keys(key + 3 * batch + torch.arange(3)).view(3, 1)
+        draws = uniform(streams, torch.arange(_PROPOSALS)).tolist()  # proposal, member, acceptance
+        picks = torch.searchsorted(cdf, torch.tensor(draws[0], dtype=cdf.dtype) * cdf[-1])
+        for proposal, pick in enumerate(picks.clamp_(max=cdf.numel() - 1).tolist()):
             if pick < ids.numel():
                 return _RowDraw(int(ids[pick]), resolved, pool.over_budget, False, bound)
             atom = pick - ids.numel()
@@ -449,18 +456,27 @@ def _threshold_draw(
                 if resolved >= options.budget:
                     return _over_budget_draw(ids, exact, scored, cut, key, resolved, bound)
                 scored[atom] = resolve(clusters[atom].view(1))
+                member_bounds[atom] = _bounds(atoms, clusters[atom], pool.bound_cut, options.margin)
                 resolved += 1
             new_ids, new_logits = scored[atom]
-            bounds = _bounds(atoms, clusters[atom], pool.bound_cut, options.margin)
+            bounds = member_bounds[atom]
             member_cdf = torch.exp(bounds - bounds.max()).cumsum(0)
-            member = float(uniform(streams[1], slots[proposal])) * float(member_cdf[-1])
-            slot = min(int(torch.searchsorted(member_cdf, member)), member_cdf.numel() - 1)
+            slot = min(
+                int(torch.searchsorted(member_cdf, draws[1][proposal] * float(member_cdf[-1]))), bounds.numel() - 1
+            )
             z = float(new_logits[slot])
             if batch == 0 and proposal == 0:
                 bound = _missed_mass(exact, new_logits, bounds, log_bound, cut)
-            if z >= cut and float(uniform(streams[2], slots[proposal])) < math.exp(z - float(bounds[slot])):
+            if z >= cut and draws[2][proposal] < math.exp(z - float(bounds[slot])):
                 return _RowDraw(int(new_ids[slot]), resolved, pool.over_budget, True, bound)
-    raise AssertionError("unreachable")
+    # Bounds far above the exact logits accept too rarely: score the heaviest atoms left, within the budget.
+    left = torch.tensor([atom for atom in range(clusters.numel()) if atom not in scored], dtype=torch.int64)
+    heaviest = left[log_bound[left].topk(min(left.numel(), max(0, options.budget - resolved))).indices]
+    if heaviest.numel():
+        scored[-1] = resolve(clusters[heaviest])
+        resolved += int(heaviest.numel())
+    over = pool.over_budget or left.numel() > heaviest.numel()
+    return _over_budget_draw(ids, exact, scored, cut, key, resolved, bound, over)
 
 
 def _exact_draw(
@@ -489,13 +505,15 @@ def _over_budget_draw(
     key: torch.Tensor,
     resolved: int,
     bound: float,
+    over: bool = True,
 ) -> _RowDraw:
-    """The budget ran out: the draw from the exact tokens and the clusters scored so far, the rest dropped."""
+    """The draw from the exact tokens and the clusters scored so far, the rest dropped (``over``: the budget ran
+    out before every atom that could hold a kept token was scored)."""
     count = ids.numel()
     for new_ids, new_logits in scored.values():
         ids = torch.cat([ids, new_ids])
         exact = torch.cat([exact, torch.where(new_logits >= cut, new_logits.double(), float("-inf"))])
-    return _exact_draw(ids, exact, key, resolved, True, count, bound)
+    return _exact_draw(ids, exact, key, resolved, over, count, bound)
 
 
 def _missed_mass(
@@ -503,13 +521,13 @@ def _missed_mass(
 ) -> float:
     """The first proposal's missed-mass estimate (module docstring) for the cluster it drew."""
     kept = torch.where(member_logits >= cut, member_logits.double(), float("-inf"))
-    missed = (kept.exp() - member_bounds.exp()).clamp(min=0).sum()
+    bound_mass = torch.logsumexp(member_bounds, 0)
+    missed = ((kept - bound_mass).exp() - (member_bounds - bound_mass).exp()).clamp(min=0).sum()
     if not bool(missed > 0):
         return 0.0
     proposal = torch.logsumexp(torch.cat([exact, log_bound]), 0)
     exact_mass = torch.logsumexp(exact, 0) if bool(torch.isfinite(exact).any()) else proposal
-    scale = torch.exp(proposal - torch.logsumexp(member_bounds, 0) - exact_mass)
-    return float(missed * scale)
+    return float(missed * torch.exp(proposal - exact_mass))
 
 
 def _filter_cutoff(values: torch.Tensor, row_filter: RowFilter, vocab_size: int) -> float:

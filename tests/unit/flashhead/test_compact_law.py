@@ -237,7 +237,8 @@ def test_a_threshold_row_without_budget_draws_from_its_exact_set():
     hidden = torch.randn(1, HIDDEN, generator=g) * 0.3
     compact, rows, exact = _plan(head, hidden, 1.0, clusters=2)
     drawn = _draws(compact, rows, exact, 0, RowFilter(), torch.arange(50), LawOptions(budget=0))
-    assert drawn.over_budget_rows == 50 and drawn.resolved_clusters == 0
+    # A row whose first proposal is a token of E needs no cluster; the others ran past the budget.
+    assert 0 < drawn.over_budget_rows <= 50 and drawn.resolved_clusters == 0
     assert set(drawn.tokens.tolist()) <= set(rows.exact_ids[0][rows.exact_valid[0]].tolist())
     # min_p: more atoms could hold a larger logit than the exact set's (a wide margin) than the budget scores.
     wide = LawOptions(margin=10.0, budget=3)
@@ -298,3 +299,17 @@ def test_the_top_p_cut_reads_the_atoms_it_needs_and_agrees_with_a_full_sort(top_
     mass = (ordered - log_total).exp()
     expected = float(ordered[int(((mass.cumsum(0) - mass) < top_p).sum()) - 1])
     assert _nucleus_cut(logits, atoms, chosen, atoms.largest[chosen], log_total, top_p) == expected
+
+
+def test_a_row_whose_bounds_are_far_above_its_logits_stops_proposing():
+    """A margin far above the estimate's error makes almost every proposal a rejection: after its proposal batches
+    the row scores its heaviest atoms (here all of them, within the budget) and draws from them exactly."""
+    head, g = _head(rank=28)
+    hidden = torch.randn(1, HIDDEN, generator=g) * 0.3
+    compact, rows, exact = _plan(head, hidden, 1.0, clusters=4)
+    wide = LawOptions(margin=30.0, budget=head.num_clusters)
+    drawn = _draws(compact, rows, exact, 0, RowFilter(), torch.arange(40), wide)
+    assert drawn.over_budget_rows == 0 and drawn.resolved_clusters <= 40 * (head.num_clusters - 4)
+    dense = head.dense_logits(hidden)[0].double()
+    expected = (dense + gumbel(row_keys(torch.arange(40))[:, None], torch.arange(VOCAB)[None])).argmax(1)
+    assert torch.equal(drawn.tokens, expected)  # every atom scored: vLLM's own Gumbel-max
