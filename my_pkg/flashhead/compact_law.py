@@ -14,7 +14,8 @@ top_p renormalised over what is left; top_p keeps a token iff the mass before it
   ``exp(z_v)`` and an atom's member by its bound ``exp(ẑ_v + δ)`` (0 below ``τ`` where few atoms reach it); a
   proposed member is scored with its cluster (*resolved*) and accepted with probability ``exp(z_v - ẑ_v - δ)`` if
   ``z_v >= τ``, else the next proposal is taken.  Only proposed clusters are scored.  Without a miss the law is
-  vLLM's dense one (top_p: at the estimated ``τ``).
+  vLLM's dense one (top_p: at the estimated ``τ``).  A row still drawing after ``_PROPOSAL_BATCHES`` batches of
+  proposals (bounds far above its logits) scores its heaviest atoms within the budget and draws from what is scored.
 * **Certified rows** (top_k; min_p with top_p): every atom whose largest member estimate plus ``δ`` reaches the
   filter's cutoff is resolved, the heaviest first, ``_RESOLVE_CHUNK`` at a time, with the cutoff computed again as
   resolved tokens raise it, up to ``budget`` clusters; the rest are dropped and vLLM's filters run on the exact
