@@ -471,7 +471,9 @@ def _threshold_draw(
             if z >= cut and draws[2][proposal] < math.exp(z - float(bounds[slot])):
                 return _RowDraw(int(new_ids[slot]), resolved, pool.over_budget, True, bound)
     # Bounds far above the exact logits accept too rarely: score the heaviest atoms left, within the budget.
-    left = torch.tensor([atom for atom in range(clusters.numel()) if atom not in scored], dtype=torch.int64)
+    unscored = torch.ones(clusters.numel(), dtype=torch.bool, device=clusters.device)
+    unscored[list(scored)] = False
+    left = torch.nonzero(unscored).flatten()
     heaviest = left[log_bound[left].topk(min(left.numel(), max(0, options.budget - resolved))).indices]
     if heaviest.numel():
         scored[-1] = resolve(clusters[heaviest])
