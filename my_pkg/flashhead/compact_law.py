@@ -80,7 +80,7 @@ _CUT_RANGE = 40.0
 #: least one in four).
 _PROPOSALS = 16
 #: Batches of proposals before a row stops proposing and scores its heaviest atoms instead.
-_PROPOSAL_BATCHES = 4
+_PROPOSAL_BATCHES = 1
 #: A pool of more atoms than this bounds each by its whole estimated mass rather than by its members above the cut.
 _MASKED_BOUND_ATOMS = 64
 
