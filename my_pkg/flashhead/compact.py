@@ -53,7 +53,8 @@ class CompactRows:
     ``atom_log_mass`` ``[B, C]`` float32: ``log M̂_c / T`` of every cluster outside ``E``, ``-inf`` for the chosen
     ones and clusters with no member left; ``atom_log_max`` ``[B, C]``: each cluster's largest member estimate;
     ``member_estimates`` ``[B, C, cap]``: each member's estimate in the same
-    units (``-inf`` at padding slots and pinned ids); ``members`` ``[C, cap]``: the head's cluster map.
+    units (``-inf`` at padding slots and pinned ids; a transposed view of slot-major storage); ``members`` ``[C, cap]``:
+    the head's cluster map.
     """
 
     hidden: torch.Tensor
@@ -86,25 +87,36 @@ class CompactHead:
         slots = torch.arange(members.shape[1], device=members.device)
         # `build_members` pads a short cluster with its first member: a slot past the first repeating it is padding.
         self.member_valid = (slots == 0) | (members != members[:, :1])
-        self._table: tuple[TailTables, torch.Tensor] | None = None
+        self._tables: TailTables | None = None
+        self._layouts: dict[bool, torch.Tensor] = {}  # the table in slot order, by "one row"
         self._pinned: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the estimate's table in cluster order (once made)."""
-        return self._table[1].numel() * self._table[1].element_size() if self._table is not None else 0
+        """Bytes of the estimate's table in slot order (each layout once made)."""
+        return sum(table.numel() * table.element_size() for table in self._layouts.values())
 
-    def _estimates_by_cluster(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[B, C * cap]`` the estimate of every cluster slot: the head's table read in cluster order, so that no
-        ``[B, V]`` estimate is gathered."""
+    def _estimates_by_slot(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[cap * C, B]`` contiguous: the estimate of every cluster slot, slot-major (slot 0 of every cluster, then
+        slot 1...), the rows innermost.  The head's table is read in that order, so that no ``[B, V]`` estimate is
+        gathered and a cluster's reductions run along contiguous ``[C * B]`` vectors.  One row reads the table stored
+        hidden-major (a vector product); several rows read it row-major, the faster product for them on CPU."""
         tables = self.head.estimate.tables()
-        if self._table is None or self._table[0] is not tables:
-            self._table = (tables, hidden_major(tables.projected[self.head.members.reshape(-1)]))
-        return linear(hidden.to(tables.basis.dtype) @ tables.basis, self._table[1])
+        if self._tables is not tables:
+            self._tables, self._layouts = tables, {}
+        reduced = hidden.to(tables.basis.dtype) @ tables.basis
+        one_row = hidden.shape[0] == 1
+        table = self._layouts.get(one_row)
+        if table is None:
+            by_slot = tables.projected[self.head.members.t().reshape(-1)]
+            table = self._layouts[one_row] = hidden_major(by_slot) if one_row else by_slot.contiguous()
+        if one_row:
+            return linear(reduced, table).view(-1, 1)
+        return torch.mm(table, reduced.t())
 
     def _excluded(self, pinned: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``(is_pinned [V] or None, slots [K])``: the pinned ids as a mask, and the flat cluster slots that are no
-        atom's member (padding, pinned ids); remembered for the last pinned tensor."""
+        """``(is_pinned [V] or None, slots [K])``: the pinned ids as a mask, and the slot-major flat cluster slots that
+        are no atom's member (padding, pinned ids); remembered for the last pinned tensor."""
         if self._pinned is not None and self._pinned[0] is pinned:
             return self._pinned[1], self._pinned[2]
         invalid = ~self.member_valid
@@ -113,7 +125,7 @@ class CompactHead:
             is_pinned = torch.zeros(self.head.vocab_size, dtype=torch.bool, device=pinned.device)
             is_pinned.index_fill_(0, pinned, True)
             invalid = invalid | is_pinned[self.head.members]
-        slots = torch.nonzero(invalid.reshape(-1)).flatten()
+        slots = torch.nonzero(invalid.t().reshape(-1)).flatten()
         self._pinned = (pinned, is_pinned, slots)
         return is_pinned, slots
 
@@ -131,14 +143,15 @@ class CompactHead:
         head = self.head
         hidden = head.check_hidden(hidden)
         head.candidate_rows.refresh()
-        temperature = temperature.to(hidden.device, torch.float32).view(-1, 1)
-        per_member = postprocess(self._estimates_by_cluster(hidden)).float().div_(temperature)
+        temperature = temperature.to(hidden.device, torch.float32)
+        per_slot = postprocess(self._estimates_by_slot(hidden)).float().div_(temperature)
         pinned_ids = pinned.ids if pinned is not None else None
         is_pinned, excluded = self._excluded(pinned_ids)
         if excluded.numel():
-            per_member.index_fill_(1, excluded, float("-inf"))
-        by_cluster = per_member.view(hidden.shape[0], *head.members.shape)
-        log_mass = torch.logsumexp(by_cluster, dim=2)  # [B, C]
+            per_slot.index_fill_(0, excluded, float("-inf"))
+        cap, num_clusters = head.members.shape[1], head.members.shape[0]
+        by_slot = per_slot.view(cap, num_clusters, hidden.shape[0])
+        largest, log_mass = _largest_and_log_mass(by_slot)  # [B, C] each
         chosen = log_mass.topk(min(clusters, head.num_clusters), dim=1).indices
         ids, exact = head.candidate_rows.candidate_logits(hidden, chosen)
         exact = postprocess(exact)
@@ -158,12 +171,12 @@ class CompactHead:
             )
         rows = CompactRows(
             hidden=hidden.detach().clone(),
-            temperature=temperature.view(-1),
+            temperature=temperature,
             exact_ids=ids,
             exact_valid=valid,
             atom_log_mass=log_mass.scatter_(1, chosen, float("-inf")),
-            atom_log_max=by_cluster.amax(dim=2),
-            member_estimates=by_cluster,
+            atom_log_max=largest,
+            member_estimates=by_slot.permute(2, 1, 0),
             members=head.members,
             postprocess=postprocess,
             pinned=is_pinned,
@@ -182,3 +195,12 @@ class CompactHead:
         if rows.pinned is not None:
             invalid |= rows.pinned[ids[0]]
         return ids[0], values.masked_fill_(invalid, float("-inf"))
+
+
+def _largest_and_log_mass(by_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max, logsumexp)`` ``[B, C]`` contiguous over the slots of ``by_slot`` ``[cap, C, B]`` (contiguous), sharing
+    the max (``-inf`` for a cluster with no finite slot)."""
+    largest = by_slot.amax(dim=0)
+    shift = largest.masked_fill(torch.isneginf(largest), 0.0)
+    log_mass = (by_slot - shift).exp_().sum(dim=0).log_().add_(shift)
+    return largest.t().contiguous(), log_mass.t().contiguous()

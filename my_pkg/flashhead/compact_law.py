@@ -37,6 +37,7 @@ Imports torch only.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,17 +176,24 @@ def draw(
         vocab_size: ``V``; atom ``c`` draws the noise of id ``V + c``.
     """
     drawn = Drawn(tokens=torch.empty(exact_ids.shape[0], dtype=torch.int64))
+    threshold = [row for row, row_filter in enumerate(filters) if _is_threshold(row_filter, vocab_size)]
+    batched = _batched_threshold(exact_ids, exact_logits, atoms, filters, keys, threshold, options)
     for row, row_filter in enumerate(filters):
-        one = _draw_row(
-            exact_ids[row],
-            exact_logits[row],
-            atoms.row(row),
-            row_filter,
-            keys[row],
-            lambda clusters, row=row: resolve(row, clusters),
-            vocab_size,
-            options,
-        )
+        row_resolve = functools.partial(resolve, row)
+        one = batched.get(row)
+        if isinstance(one, _Pool):
+            one = _threshold_draw(one, atoms.row(row), keys[row], row_resolve, vocab_size, options)
+        elif one is None:
+            one = _draw_row(
+                exact_ids[row],
+                exact_logits[row],
+                atoms.row(row),
+                row_filter,
+                keys[row],
+                row_resolve,
+                vocab_size,
+                options,
+            )
         drawn.tokens[row] = one.token
         drawn.resolved_clusters += one.resolved
         drawn.over_budget_rows += int(one.over_budget)
@@ -417,18 +425,134 @@ def _mass_cut(
         masses = shifted.add_(high - log_total).exp_()
         if weight is not None:
             masses.mul_(weight)
-        mass += torch.bincount(bucket.view(-1), weights=masses.view(-1), minlength=_CUT_BUCKETS).double()
-        buckets.append(bucket.view(-1))
+        mass += torch.bincount(bucket.reshape(-1), weights=masses.reshape(-1), minlength=_CUT_BUCKETS).double()
+        buckets.append(bucket.reshape(-1))
     reached = mass.cumsum(0)
     crossing = min(int((reached < top_p).sum()), _CUT_BUCKETS - 1)
     in_logits = logits[buckets[0] == crossing]
     slots = torch.nonzero(buckets[1] == crossing).flatten()
     slots = slots[is_atom[slots // estimates.shape[-1]] > 0]
-    inside = torch.cat([in_logits, estimates.view(-1)[slots]]).double()
+    inside = torch.cat([in_logits, estimates.reshape(-1)[slots]]).double()
     inside = inside[torch.isfinite(inside)].sort(descending=True).values
     inside_mass = torch.exp(inside - log_total)
     before = float(reached[crossing] - mass[crossing]) + inside_mass.cumsum(0) - inside_mass
     return float(inside[max(int((before < top_p).sum()), 1) - 1])
+
+
+def _batched_threshold(
+    exact_ids: torch.Tensor,
+    exact_logits: torch.Tensor,
+    atoms: Atoms,
+    filters: list[RowFilter],
+    keys: torch.Tensor,
+    rows: list[int],
+    options: LawOptions,
+) -> dict[int, _RowDraw | _Pool]:
+    """The threshold ``rows``' common case with batched tensor operations: each row's cut (temperature only; min_p
+    with no atom that could hold a larger logit than ``E``'s; top_p decided by the ``_CUT_FIRST_ATOMS`` atoms with the
+    largest members), its pool and its first proposal.  A row whose first proposal is a token of ``E`` (or that has
+    no atom to propose) is drawn here; one whose first proposal is an atom gets its :class:`_Pool`, with the same
+    proposal weights, for :func:`_threshold_draw` to go on; the rows missing from the result take :func:`_draw_row`.
+    Each row's outcome depends on that row alone; a single row takes its own path (no faster alone)."""
+    if len(rows) < 2:
+        return {}
+    index = torch.tensor(rows, dtype=torch.int64, device=exact_ids.device)
+    ids, logits = exact_ids.index_select(0, index), exact_logits.index_select(0, index)
+    log_mass = atoms.log_mass.index_select(0, index)
+    is_atom = torch.isfinite(log_mass)
+    largest = atoms.largest.index_select(0, index).masked_fill(~is_atom, float("-inf"))
+    count, num_clusters = len(rows), log_mass.shape[1]
+    min_p = torch.tensor([filters[row].min_p for row in rows], dtype=torch.float64)
+    top_p = torch.tensor([filters[row].top_p for row in rows], dtype=torch.float64)
+    cut = torch.full((count,), float("-inf"), dtype=torch.float64)
+    decided = torch.ones(count, dtype=torch.bool)
+    top_exact = logits.amax(1).double() if logits.shape[1] else torch.full((count,), float("-inf"), dtype=torch.float64)
+    by_largest = largest.topk(min(num_clusters, _CUT_FIRST_ATOMS + 1), dim=1)
+    uses_min_p = min_p > 0
+    if bool(uses_min_p.any()):
+        higher = by_largest.values[:, 0] + options.margin > top_exact.float()  # float32, as the row's own path
+        decided &= ~(uses_min_p & higher)
+        cut = torch.where(uses_min_p, top_exact + torch.log(min_p.clamp(min=1e-300)), cut)
+    uses_top_p = ~uses_min_p & (top_p < 1)
+    if bool(uses_top_p.any()):
+        top_p_cut, top_p_decided = _batched_nucleus_cut(logits, log_mass, atoms, index, by_largest, top_p)
+        cut = torch.where(uses_top_p, top_p_cut, cut)
+        decided &= ~uses_top_p | top_p_decided
+    # The pool: the atoms whose largest member plus the margin reaches the cut.  At most `_MASKED_BOUND_ATOMS` of
+    # them are among the atoms with the largest members, and bounded by their members above the cut.
+    # Compared in float32, as the row's own path compares its float32 tensors with the cut.
+    cut32 = cut.float().view(-1, 1)
+    in_pool = is_atom & (largest + options.margin >= cut32)
+    pool_size = in_pool.sum(1)
+    log_bound = torch.where(in_pool, log_mass.double() + options.margin, float("-inf"))
+    small = (pool_size > 0) & (pool_size <= _MASKED_BOUND_ATOMS)
+    if bool(small.any()):
+        heaviest = largest.topk(min(num_clusters, _MASKED_BOUND_ATOMS), dim=1).indices
+        members = atoms.estimates[index.view(-1, 1), heaviest].double() + options.margin  # [R, k, cap]
+        members.masked_fill_(members < cut.view(-1, 1, 1), float("-inf"))
+        masked = torch.logsumexp(members, 2).masked_fill_(~in_pool.gather(1, heaviest), float("-inf"))
+        log_bound[small] = log_bound[small].scatter_(1, heaviest[small], masked[small])
+    exact = torch.where(logits >= cut32, logits.double(), float("-inf"))
+    weights = torch.cat([exact, log_bound], 1)
+    cdf = torch.exp(weights - weights.amax(1, keepdim=True)).cumsum(1)
+    first = uniform(derived_keys(keys.index_select(0, index)).view(-1, 1), torch.zeros(1, dtype=torch.int64))
+    picks = torch.searchsorted(cdf, first * cdf[:, -1:]).clamp_(max=cdf.shape[1] - 1).view(-1)
+    winners = (exact + gumbel(keys.index_select(0, index).view(-1, 1), ids)).argmax(1)
+    result: dict[int, _RowDraw | _Pool] = {}
+    num_exact = ids.shape[1]
+    for i, (row, pick) in enumerate(zip(rows, picks.tolist(), strict=True)):
+        if not bool(decided[i]):
+            continue
+        if not int(pool_size[i]):
+            if not bool(torch.isfinite(exact[i]).any()):
+                raise ValueError("a compact row with nothing to draw from")
+            result[row] = _RowDraw(int(ids[i, winners[i]]), 0, False, False, 0.0)
+        elif pick < num_exact:
+            result[row] = _RowDraw(int(ids[i, pick]), 0, False, False, 0.0)
+        else:
+            clusters = torch.nonzero(in_pool[i]).flatten()
+            unscored = torch.nonzero(is_atom[i]).flatten()
+            bound_cut = float(cut[i]) if bool(small[i]) else float("-inf")
+            result[row] = _Pool(
+                ids[i], logits[i], float(cut[i]), bound_cut, clusters, log_bound[i, clusters], 0, False, unscored
+            )
+    return result
+
+
+def _batched_nucleus_cut(
+    logits: torch.Tensor,
+    log_mass: torch.Tensor,
+    atoms: Atoms,
+    index: torch.Tensor,
+    by_largest: torch.return_types.topk,
+    top_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cut, decided)`` ``[R]``: :func:`_nucleus_cut`'s first reading (the ``_CUT_FIRST_ATOMS`` atoms with the
+    largest members, ``by_largest``: the top of each row's atoms' largest member estimates, ``-inf`` past its atoms)
+    for rows ``index`` of the batch; ``decided`` is False where that reading does not settle the cut."""
+    take = min(by_largest.indices.shape[1], _CUT_FIRST_ATOMS)
+    read = by_largest.indices[:, :take]
+    read_valid = torch.isfinite(by_largest.values[:, :take])
+    atom_count = torch.isfinite(log_mass).sum(1)
+    log_total = torch.logsumexp(torch.cat([logits, log_mass], 1).double(), 1)
+    exact_mass = torch.logsumexp(logits.double(), 1)
+    read_mass = torch.logsumexp(
+        torch.cat(
+            [log_mass.gather(1, read).double().masked_fill(~read_valid, float("-inf")), exact_mass.view(-1, 1)], 1
+        ),
+        1,
+    )
+    enough = (read_mass - log_total >= torch.log(top_p)) | (atom_count <= take)
+    estimates = atoms.estimates[index.view(-1, 1), read].masked_fill(~read_valid.unsqueeze(2), float("-inf"))
+    values = torch.cat([logits, estimates.reshape(len(index), -1)], 1).double()
+    ordered = values.topk(min(values.shape[1], _WINDOW), dim=1).values
+    finite = torch.isfinite(ordered)
+    mass = torch.exp(ordered - log_total.view(-1, 1))
+    kept = (((mass.cumsum(1) - mass) < top_p.view(-1, 1)) & finite).sum(1)
+    last = ordered.gather(1, (kept - 1).clamp(min=0).view(-1, 1)).view(-1)
+    unread = by_largest.values[:, take] if by_largest.values.shape[1] > take else torch.full_like(last, float("-inf"))
+    decided = enough & (kept < finite.sum(1)) & (kept > 0) & (last >= unread.double())
+    return last, decided
 
 
 def _threshold_draw(

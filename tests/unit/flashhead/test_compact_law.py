@@ -313,3 +313,42 @@ def test_a_row_whose_bounds_are_far_above_its_logits_stops_proposing():
     dense = head.dense_logits(hidden)[0].double()
     expected = (dense + gumbel(row_keys(torch.arange(40))[:, None], torch.arange(VOCAB)[None])).argmax(1)
     assert torch.equal(drawn.tokens, expected)  # every atom scored: vLLM's own Gumbel-max
+
+
+@pytest.mark.parametrize(
+    "row_filter",
+    [RowFilter(), RowFilter(top_p=0.9), RowFilter(top_p=0.5), RowFilter(min_p=0.1), RowFilter(min_p=0.02)],
+    ids=["temperature", "top_p 0.9", "top_p 0.5", "min_p 0.1", "min_p 0.02"],
+)
+def test_the_batched_common_case_draws_what_each_rows_own_path_draws(row_filter, monkeypatch):
+    """The batch's cut, pool and first proposal (`_batched_threshold`) are the row's own: the same tokens and counts
+    as every row drawn alone by its own path.  Here the batch decides every row: some drawn at once (a first
+    proposal in the exact set), the others handed on with their pool."""
+    import my_pkg.flashhead.compact_law as law
+
+    head, g = _head(rank=8)
+    hidden = torch.randn(1, HIDDEN, generator=g) * 0.5
+    compact, rows, exact = _plan(head, hidden, 1.0, clusters=3)
+    n, one = 600, rows.atoms.row(0)
+    decided = law._batched_threshold(
+        rows.exact_ids.expand(n, -1),
+        exact.expand(n, -1),
+        Atoms(one.log_mass.expand(n, -1), one.largest.expand(n, -1), one.estimates.expand(n, -1, -1), one.members),
+        [row_filter] * n,
+        row_keys(torch.arange(n)),
+        list(range(n)),
+        DEFAULT_OPTIONS,
+    )
+    handed_on = sum(isinstance(outcome, law._Pool) for outcome in decided.values())
+    assert len(decided) == n and 20 <= handed_on <= n - 20
+    batched = _draws(compact, rows, exact, 0, row_filter, torch.arange(n))
+    monkeypatch.setattr(law, "_batched_threshold", lambda *args: {})
+    alone = _draws(compact, rows, exact, 0, row_filter, torch.arange(n))
+    assert torch.equal(batched.tokens, alone.tokens)
+    assert (batched.resolved_clusters, batched.atom_rows, batched.bound_rows, batched.over_budget_rows) == (
+        alone.resolved_clusters,
+        alone.atom_rows,
+        alone.bound_rows,
+        alone.over_budget_rows,
+    )
+    assert batched.bound_sum == pytest.approx(alone.bound_sum)
