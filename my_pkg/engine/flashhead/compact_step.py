@@ -106,7 +106,7 @@ def compact_head(head: FlashHead) -> CompactHead:
 
 
 def table_bytes(head: FlashHead) -> int:
-    """Bytes of the head's estimate table in cluster order (0 before a compact row needed it)."""
+    """Bytes of the head's estimate table in slot order, each layout once a compact step needed it (0 before)."""
     found = _COMPACT_HEADS.get(head)
     return found.nbytes if found is not None else 0
 
