@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .compact_law import Atoms
-from .layout import hidden_major, linear
+from .layout import hidden_major, linear, prefers_hidden_major
 from .tail_estimate import TailTables
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ class CompactRows:
     ``atom_log_mass`` ``[B, C]`` float32: ``log M̂_c / T`` of every cluster outside ``E``, ``-inf`` for the chosen
     ones and clusters with no member left; ``atom_log_max`` ``[B, C]``: each cluster's largest member estimate;
     ``member_estimates`` ``[B, C, cap]``: each member's estimate in the same
-    units (``-inf`` at padding slots and pinned ids; a transposed view of slot-major storage); ``members`` ``[C, cap]``:
-    the head's cluster map.
+    units (``-inf`` at padding slots and pinned ids; a permuted view of ``[cap, C, B]`` storage); ``members``
+    ``[C, cap]``: the head's cluster map.
     """
 
     hidden: torch.Tensor
@@ -88,7 +88,7 @@ class CompactHead:
         # `build_members` pads a short cluster with its first member: a slot past the first repeating it is padding.
         self.member_valid = (slots == 0) | (members != members[:, :1])
         self._tables: TailTables | None = None
-        self._layouts: dict[bool, torch.Tensor] = {}  # the table in slot order, by "one row"
+        self._layouts: dict[str, torch.Tensor] = {}  # the table in slot order, by layout
         self._pinned: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None = None
 
     @property
@@ -100,16 +100,18 @@ class CompactHead:
         """``[cap * C, B]`` contiguous: the estimate of every cluster slot, slot-major (slot 0 of every cluster, then
         slot 1...), the rows innermost.  The head's table is read in that order, so that no ``[B, V]`` estimate is
         gathered and a cluster's reductions run along contiguous ``[C * B]`` vectors.  One row reads the table stored
-        hidden-major (a vector product); several rows read it row-major, the faster product for them on CPU."""
+        hidden-major where FlashHead stores float32 matrices so (a vector product); several rows read it row-major, the
+        faster product for them on CPU (a bfloat16 table is row-major for both)."""
         tables = self.head.estimate.tables()
         if self._tables is not tables:
             self._tables, self._layouts = tables, {}
         reduced = hidden.to(tables.basis.dtype) @ tables.basis
         one_row = hidden.shape[0] == 1
-        table = self._layouts.get(one_row)
+        layout = "hidden_major" if one_row and prefers_hidden_major(tables.projected) else "row_major"
+        table = self._layouts.get(layout)
         if table is None:
             by_slot = tables.projected[self.head.members.t().reshape(-1)]
-            table = self._layouts[one_row] = hidden_major(by_slot) if one_row else by_slot.contiguous()
+            table = self._layouts[layout] = hidden_major(by_slot) if layout == "hidden_major" else by_slot.contiguous()
         if one_row:
             return linear(reduced, table).view(-1, 1)
         return torch.mm(table, reduced.t())

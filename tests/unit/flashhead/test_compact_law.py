@@ -106,6 +106,27 @@ def test_the_plan_scores_the_heaviest_clusters_exactly_and_leaves_the_rest_as_at
         assert float(chosen.min()) >= float(rows.atom_log_mass[row, clusters].max()) - 1e-4
 
 
+def test_a_row_planned_alone_or_in_a_batch_has_the_same_atoms():
+    """One row reads the estimate's table stored hidden-major, a batch reads it row-major: the same estimates."""
+    head, g = _head(rank=8)
+    hidden = torch.randn(5, HIDDEN, generator=g)
+    planner = CompactHead(head)
+
+    def plan(rows):
+        kwargs = {"pinned": None, "postprocess": lambda x: x, "clusters": 4}
+        return planner.plan(rows, torch.full((rows.shape[0],), 0.7), **kwargs)[1]
+
+    batch = plan(hidden)
+    for row in range(5):
+        alone = plan(hidden[row : row + 1])
+        torch.testing.assert_close(alone.member_estimates[0], batch.member_estimates[row])
+        torch.testing.assert_close(alone.atom_log_mass[0], batch.atom_log_mass[row])
+        torch.testing.assert_close(alone.atom_log_max[0], batch.atom_log_max[row])
+        assert torch.equal(alone.exact_ids[0], batch.exact_ids[row])
+    assert set(planner._layouts) == {"hidden_major", "row_major"}
+    assert planner.nbytes == 2 * head.vocab_size * 8 * 4  # two float32 copies of the rank-8 table
+
+
 @pytest.mark.parametrize(
     "row_filter",
     [
