@@ -16,10 +16,16 @@ top_p renormalised over what is left; top_p keeps a token iff the mass before it
   ``z_v >= τ``, else the next proposal is taken.  Only proposed clusters are scored.  Without a miss the law is
   vLLM's dense one (top_p: at the estimated ``τ``).  A row still drawing after ``_PROPOSAL_BATCHES`` batches of
   proposals (bounds far above its logits) scores its heaviest atoms within the budget and draws from what is scored.
-* **Certified rows** (top_k; min_p with top_p): every atom whose largest member estimate plus ``δ`` reaches the
-  filter's cutoff is resolved, the heaviest first, ``_RESOLVE_CHUNK`` at a time, with the cutoff computed again as
-  resolved tokens raise it, up to ``budget`` clusters; the rest are dropped and vLLM's filters run on the exact
-  tokens.  Without a miss the law is vLLM's dense one.
+* **top_k rows** (top_k alone): the same rejection draw at the cut ``low``, the ``k``-th largest logit of ``E`` (the
+  row's cutoff is at least that), where a proposal with exact logit ``z`` is kept only if fewer than ``k`` tokens lie
+  above it: counted from the known logits and, when the unscored members that could lie above ``z`` might change
+  the answer, after scoring their clusters.  A proposal near the top of the row needs no cluster.  Without a miss
+  the law is vLLM's dense one.  A row with no atom near ``low``, or whose count needs more than the budget, or with
+  no proposal kept after ``_PROPOSAL_BATCHES`` batches, is drawn as a certified row.
+* **Certified rows** (top_k with min_p or top_p; min_p with top_p): every atom whose largest member estimate plus
+  ``δ`` reaches the filter's cutoff is resolved, the heaviest first, ``_RESOLVE_CHUNK`` at a time, with the cutoff
+  computed again as resolved tokens raise it, up to ``budget`` clusters; the rest are dropped and vLLM's filters run
+  on the exact tokens.  Without a miss the law is vLLM's dense one.
 
 A row that needs more than ``budget`` clusters is counted; its unresolved atoms are dropped.  Each threshold row
 reports an estimate of the mass its margin missed (:attr:`Drawn.bound_sum`): for the cluster the first proposal
@@ -27,9 +33,10 @@ drew (0 when it drew a token of ``E``), ``Σ_v (exp z_v − exp(ẑ_v + δ))⁺ 
 the proposal's total over ``E``'s kept mass, whose mean over rows is at least the missed mass over ``Z``.
 
 The randomness comes from the row's key (:mod:`~my_pkg.flashhead.gumbel`, SplitMix64 of vLLM's seed): a row with
-no atom left to propose (every certified row; a threshold row whose atoms all lie below its cut) is a Gumbel-max over
-its kept exact tokens with the noise vLLM's CPU kernel gives them, so it draws vLLM's own token; a threshold row
-with atoms draws its proposals, the member inside a cluster and the acceptances from further streams of the key.
+no atom left to propose (every certified row; a threshold or top_k row whose atoms all lie below its cut) is a
+Gumbel-max over its kept exact tokens with the noise vLLM's CPU kernel gives them, so it draws vLLM's own token; a
+row drawn by rejection takes its proposals, the member inside a cluster and the acceptances from further streams of
+the key.
 Given the seed, the draw is a function of the row alone: a seeded request's text does not depend on its batch.
 
 Imports torch only.
@@ -736,6 +743,136 @@ def _draw_row(
     if _is_threshold(row_filter, vocab_size):
         pool = _threshold_pool(ids, logits, atoms, row_filter, resolve, options)
         return _threshold_draw(pool, atoms, key, resolve, vocab_size, options)
+    spent = 0
+    if _is_top_k_alone(row_filter, vocab_size):
+        attempt = _top_k_draw(ids, logits, atoms, int(row_filter.top_k), key, resolve, options)
+        if isinstance(attempt, _RowDraw):
+            return attempt
+        spent = attempt
     kept = _certified(ids, logits, atoms, row_filter, resolve, vocab_size, options)
     winner = int((kept.logits.double() + gumbel(key, kept.ids)).argmax())
-    return _RowDraw(int(kept.ids[winner]), kept.resolved, kept.over_budget, False, None)
+    return _RowDraw(int(kept.ids[winner]), kept.resolved + spent, kept.over_budget, False, None)
+
+
+def _is_top_k_alone(row_filter: RowFilter, vocab_size: int) -> bool:
+    """Whether the row asks for top_k with neither min_p nor top_p."""
+    has_top_k = row_filter.top_k is not None and row_filter.top_k < vocab_size
+    return has_top_k and row_filter.top_p >= 1.0 and row_filter.min_p <= 0.0
+
+
+class _TopKRow:
+    """A top_k row's known exact logits (``E``'s and the clusters scored so far) and the pool's unscored atoms, for
+    the count of tokens above a logit."""
+
+    def __init__(
+        self, logits: torch.Tensor, atoms: Atoms, clusters: torch.Tensor, largest: torch.Tensor, margin: float
+    ):
+        self.known = [logits]
+        self.atoms, self.clusters, self.largest, self.margin = atoms, clusters, largest, margin
+        self.unscored = torch.ones(clusters.numel(), dtype=torch.bool, device=clusters.device)
+
+    def add(self, position: int, member_logits: torch.Tensor) -> None:
+        self.known.append(member_logits)
+        self.unscored[position] = False
+
+    def above(self, z: float) -> int:
+        """Tokens known to be above ``z``."""
+        return sum(int((values > z).sum()) for values in self.known)
+
+    def could_be_above(self, z: float) -> torch.Tensor:
+        """Positions of the unscored atoms with a member whose bound is above ``z``."""
+        return torch.nonzero(self.unscored & (self.largest + self.margin > z)).flatten()
+
+    def possibly_above(self, positions: torch.Tensor, z: float) -> int:
+        """Members of the atoms at ``positions`` whose bound is above ``z``."""
+        return int((self.atoms.estimates[self.clusters[positions]] + self.margin > z).sum())
+
+
+def _top_k_draw(
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    atoms: Atoms,
+    k: int,
+    key: torch.Tensor,
+    resolve: Resolve,
+    options: LawOptions,
+) -> _RowDraw | int:
+    """A top_k row (no min_p, no top_p) by rejection, or the clusters it resolved before giving up (more atoms near
+    the cutoff than the budget; a membership count past the budget; no proposal accepted): then :func:`_certified`
+    draws it.  With no atom near the cutoff,
+    the certified row's Gumbel-max over ``E``'s top ``k`` (vLLM's token).
+
+    The cutoff is at least ``low``, the ``k``-th largest exact logit of ``E``: the proposal is the threshold rows'
+    at the cut ``low`` (``E``'s tokens from ``low`` up by ``exp(z)``, the atoms that could reach it by their members'
+    bounds), and a proposal with exact logit ``z`` (a member kept with probability ``exp(z - ẑ - δ)``) is kept iff
+    fewer than ``k`` tokens lie above ``z`` (vLLM's top_k keeps ties).  The count needs no cluster scored while the
+    known tokens above ``z`` and the unscored members whose bound is above it are fewer than ``k``, as for a
+    proposal near the top of the row; otherwise the atoms that could hold a token above ``z`` are scored first."""
+    finite = torch.isfinite(logits)
+    ids, logits = ids[finite], logits[finite]
+    clusters = torch.nonzero(torch.isfinite(atoms.log_mass)).flatten()
+    largest = atoms.largest[clusters]
+    low = float(logits.topk(k).values[-1]) if logits.numel() >= k else float("-inf")
+    near = largest + options.margin >= low
+    clusters, largest = clusters[near], largest[near]
+    exact = torch.where(logits >= low, logits.double(), float("-inf"))
+    if not clusters.numel():  # the certified row's draw, without its search for atoms near the cutoff
+        return _exact_draw(ids, exact, key, 0, False, None, 0.0)._replace(bound=None)
+    if clusters.numel() > options.budget:  # a flat row: a count near the cutoff would need more than the budget
+        return 0
+    if clusters.numel() <= _MASKED_BOUND_ATOMS:
+        bound_cut = low
+        log_bound = torch.logsumexp(_bounds(atoms, clusters, low, options.margin), 1)
+    else:
+        bound_cut = float("-inf")
+        log_bound = atoms.log_mass[clusters].double() + options.margin
+    weights = torch.cat([exact, log_bound])
+    cdf = torch.exp(weights - weights.max()).cumsum(0)
+    row = _TopKRow(logits, atoms, clusters, largest, options.margin)
+    scored: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    resolved = 0
+
+    def score(positions: list[int]) -> bool:
+        nonlocal resolved
+        if resolved + len(positions) > options.budget:
+            return False
+        if positions:
+            new_ids, new_logits = resolve(clusters[positions])
+            for i, position in enumerate(positions):
+                part = slice(i * atoms.members.shape[1], (i + 1) * atoms.members.shape[1])
+                bounds = _bounds(atoms, clusters[position], bound_cut, options.margin)
+                scored[position] = (new_ids[part], new_logits[part], bounds)
+                row.add(position, new_logits[part])
+            resolved += len(positions)
+        return True
+
+    for batch in range(_PROPOSAL_BATCHES):
+        streams = derived_keys(key + 3 * batch + torch.arange(3)).view(3, 1)
+        draws = uniform(streams, torch.arange(_PROPOSALS)).tolist()  # proposal, member, acceptance
+        picks = torch.searchsorted(cdf, torch.tensor(draws[0], dtype=cdf.dtype) * cdf[-1])
+        for proposal, pick in enumerate(picks.clamp_(max=cdf.numel() - 1).tolist()):
+            if pick < ids.numel():
+                token, z, from_atom = int(ids[pick]), float(logits[pick]), False
+            else:
+                atom = pick - ids.numel()
+                if atom not in scored and not score([atom]):
+                    return resolved
+                new_ids, new_logits, bounds = scored[atom]
+                member_cdf = torch.exp(bounds - bounds.max()).cumsum(0)
+                slot = min(
+                    int(torch.searchsorted(member_cdf, draws[1][proposal] * float(member_cdf[-1]))), bounds.numel() - 1
+                )
+                z = float(new_logits[slot])
+                if not (z >= low and draws[2][proposal] < math.exp(z - float(bounds[slot]))):
+                    continue
+                token, from_atom = int(new_ids[slot]), True
+            if row.above(z) >= k:
+                continue
+            unsure = row.could_be_above(z)
+            if unsure.numel() and row.above(z) + row.possibly_above(unsure, z) >= k:
+                if not score(unsure.tolist()):
+                    return resolved
+                if row.above(z) >= k:
+                    continue
+            return _RowDraw(token, resolved, False, from_atom, None)
+    return resolved

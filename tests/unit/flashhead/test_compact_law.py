@@ -204,8 +204,8 @@ def test_draws_follow_the_law(row_filter):
     drawn = _draws(compact, rows, exact, 0, row_filter, torch.arange(4000), options)
     counts = torch.bincount(drawn.tokens, minlength=VOCAB)
     assert _chi_square_holds(counts, law)
+    assert drawn.atom_rows > 0 and drawn.resolved_clusters > drawn.atom_rows  # drawn from atoms, some rejected
     if row_filter.top_k is None:
-        assert drawn.atom_rows > 0 and drawn.resolved_clusters > drawn.atom_rows  # drawn from atoms, some rejected
         assert drawn.bound_rows == 4000 and drawn.bound_sum == 0
 
 
@@ -246,11 +246,27 @@ def test_a_row_needing_more_clusters_than_the_budget_is_counted():
     head, g = _head(rank=2)
     hidden = torch.randn(1, HIDDEN, generator=g)
     compact, rows, exact = _plan(head, hidden, 1.0, clusters=1)
-    wide = RowFilter(top_k=400)  # more tokens than one cluster holds: every atom is near the cutoff
+    wide = RowFilter(top_k=400, top_p=0.99)  # more tokens than one cluster holds: every atom is near the cutoff
     assert _draws(compact, rows, exact, 0, wide, torch.arange(3), LawOptions(budget=2)).over_budget_rows == 3
     drawn = _draws(compact, rows, exact, 0, wide, torch.arange(3), LawOptions(budget=head.num_clusters))
     # Without a budget: at least the 400 tokens' clusters, fewer than all once the 400th token's weight is known.
     assert drawn.over_budget_rows == 0 and 3 * 25 <= drawn.resolved_clusters <= 3 * (head.num_clusters - 1)
+
+
+def test_a_top_k_row_scores_only_what_its_count_needs():
+    """top_k alone is drawn by rejection: a proposal near the top of the row is kept without scoring a cluster (fewer
+    than k tokens can lie above it).  With more atoms near the cutoff than the budget, the row is a certified row,
+    counted past the budget."""
+    head, g = _head(rank=2)
+    hidden = torch.randn(1, HIDDEN, generator=g)
+    compact, rows, exact = _plan(head, hidden, 1.0, clusters=1)
+    seeds = torch.arange(200)
+    drawn = _draws(compact, rows, exact, 0, RowFilter(top_k=400), seeds, LawOptions(budget=head.num_clusters))
+    assert drawn.over_budget_rows == 0 and drawn.resolved_clusters < 200  # the certified path: >= 25 a row
+    law = _law(compact, rows, exact, 0, RowFilter(top_k=400), LawOptions(budget=head.num_clusters))
+    assert float(law[drawn.tokens].min()) > 0
+    few = _draws(compact, rows, exact, 0, RowFilter(top_k=400), seeds, LawOptions(budget=2))
+    assert few.over_budget_rows == 200 and few.resolved_clusters == 200 * 2
 
 
 def test_a_threshold_row_without_budget_draws_from_its_exact_set():
