@@ -562,6 +562,21 @@ def _batched_nucleus_cut(
     return last, decided
 
 
+def _proposals(cdf: torch.Tensor, key: torch.Tensor, batch: int) -> tuple[list[list[float]], list[int]]:
+    """Batch ``batch`` of a row's proposals from its proposal ``cdf`` by inverse CDF: the uniforms (proposal, member,
+    acceptance; ``_PROPOSALS`` each, from three streams of ``key``) and the picked positions."""
+    streams = derived_keys(key + 3 * batch + torch.arange(3)).view(3, 1)
+    draws = uniform(streams, torch.arange(_PROPOSALS)).tolist()
+    picks = torch.searchsorted(cdf, torch.tensor(draws[0], dtype=cdf.dtype) * cdf[-1])
+    return draws, picks.clamp_(max=cdf.numel() - 1).tolist()
+
+
+def _member_slot(bounds: torch.Tensor, u: float) -> int:
+    """The member of a proposed cluster that the uniform ``u`` picks, by the members' bounds (log weights)."""
+    member_cdf = torch.exp(bounds - bounds.max()).cumsum(0)
+    return min(int(torch.searchsorted(member_cdf, u * float(member_cdf[-1]))), bounds.numel() - 1)
+
+
 def _threshold_draw(
     pool: _Pool, atoms: Atoms, key: torch.Tensor, resolve: Resolve, vocab_size: int, options: LawOptions
 ) -> _RowDraw:
@@ -577,10 +592,8 @@ def _threshold_draw(
     resolved, bound, scored = pool.resolved, 0.0, {}
     member_bounds: dict[int, torch.Tensor] = {}
     for batch in range(_PROPOSAL_BATCHES):
-        streams = derived_keys(key + 3 * batch + torch.arange(3)).view(3, 1)
-        draws = uniform(streams, torch.arange(_PROPOSALS)).tolist()  # proposal, member, acceptance
-        picks = torch.searchsorted(cdf, torch.tensor(draws[0], dtype=cdf.dtype) * cdf[-1])
-        for proposal, pick in enumerate(picks.clamp_(max=cdf.numel() - 1).tolist()):
+        draws, picks = _proposals(cdf, key, batch)
+        for proposal, pick in enumerate(picks):
             if pick < ids.numel():
                 return _RowDraw(int(ids[pick]), resolved, pool.over_budget, False, bound)
             atom = pick - ids.numel()
@@ -592,10 +605,7 @@ def _threshold_draw(
                 resolved += 1
             new_ids, new_logits = scored[atom]
             bounds = member_bounds[atom]
-            member_cdf = torch.exp(bounds - bounds.max()).cumsum(0)
-            slot = min(
-                int(torch.searchsorted(member_cdf, draws[1][proposal] * float(member_cdf[-1]))), bounds.numel() - 1
-            )
+            slot = _member_slot(bounds, draws[1][proposal])
             z = float(new_logits[slot])
             if batch == 0 and proposal == 0:
                 bound = _missed_mass(exact, new_logits, bounds, log_bound, cut)
@@ -847,10 +857,8 @@ def _top_k_draw(
         return True
 
     for batch in range(_PROPOSAL_BATCHES):
-        streams = derived_keys(key + 3 * batch + torch.arange(3)).view(3, 1)
-        draws = uniform(streams, torch.arange(_PROPOSALS)).tolist()  # proposal, member, acceptance
-        picks = torch.searchsorted(cdf, torch.tensor(draws[0], dtype=cdf.dtype) * cdf[-1])
-        for proposal, pick in enumerate(picks.clamp_(max=cdf.numel() - 1).tolist()):
+        draws, picks = _proposals(cdf, key, batch)
+        for proposal, pick in enumerate(picks):
             if pick < ids.numel():
                 token, z, from_atom = int(ids[pick]), float(logits[pick]), False
             else:
@@ -858,10 +866,7 @@ def _top_k_draw(
                 if atom not in scored and not score([atom]):
                     return resolved
                 new_ids, new_logits, bounds = scored[atom]
-                member_cdf = torch.exp(bounds - bounds.max()).cumsum(0)
-                slot = min(
-                    int(torch.searchsorted(member_cdf, draws[1][proposal] * float(member_cdf[-1]))), bounds.numel() - 1
-                )
+                slot = _member_slot(bounds, draws[1][proposal])
                 z = float(new_logits[slot])
                 if not (z >= low and draws[2][proposal] < math.exp(z - float(bounds[slot]))):
                     continue
