@@ -504,7 +504,11 @@ def _batched_threshold(
     cdf = torch.exp(weights - weights.amax(1, keepdim=True)).cumsum(1)
     first = uniform(derived_keys(keys.index_select(0, index)).view(-1, 1), torch.zeros(1, dtype=torch.int64))
     picks = torch.searchsorted(cdf, first * cdf[:, -1:]).clamp_(max=cdf.shape[1] - 1).view(-1)
-    winners = (exact + gumbel(keys.index_select(0, index).view(-1, 1), ids)).argmax(1)
+    no_pool = torch.nonzero(pool_size == 0).flatten()  # drawn by vLLM's Gumbel-max over the exact tokens
+    winners: dict[int, int] = {}
+    if no_pool.numel():
+        noise = gumbel(keys.index_select(0, index.index_select(0, no_pool)).view(-1, 1), ids.index_select(0, no_pool))
+        winners = dict(zip(no_pool.tolist(), (exact.index_select(0, no_pool) + noise).argmax(1).tolist(), strict=True))
     result: dict[int, _RowDraw | _Pool] = {}
     num_exact = ids.shape[1]
     for i, (row, pick) in enumerate(zip(rows, picks.tolist(), strict=True)):
