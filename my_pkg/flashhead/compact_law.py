@@ -16,13 +16,17 @@ top_p renormalised over what is left; top_p keeps a token iff the mass before it
   ``z_v >= τ``, else the next proposal is taken.  Only proposed clusters are scored.  Without a miss the law is
   vLLM's dense one (top_p: at the estimated ``τ``).  A row still drawing after ``_PROPOSAL_BATCHES`` batches of
   proposals (bounds far above its logits) scores its heaviest atoms within the budget and draws from what is scored.
-* **top_k rows** (top_k alone): the same rejection draw at the cut ``low``, the ``k``-th largest logit of ``E`` (the
-  row's cutoff is at least that), where a proposal with exact logit ``z`` is kept only if fewer than ``k`` tokens lie
-  above it: counted from the known logits and, when the unscored members that could lie above ``z`` might change
-  the answer, after scoring their clusters.  A proposal near the top of the row needs no cluster.  Without a miss
-  the law is vLLM's dense one.  A row with no atom near ``low``, or whose count needs more than the budget, or with
-  no proposal kept after ``_PROPOSAL_BATCHES`` batches, is drawn as a certified row.
-* **Certified rows** (top_k with min_p or top_p; min_p with top_p): every atom whose largest member estimate plus
+* **top_k rows** (top_k, alone or with top_p): the same rejection draw at the cut ``low``, the ``k``-th largest logit
+  of ``E`` (the row's cutoff is at least that; with top_p, at least the largest exact logit whose exact mass above
+  already reaches ``p`` times the most the top ``k`` can weigh), where a proposal with exact logit ``z`` is kept only
+  if fewer than ``k`` tokens lie above it and, with top_p, if the mass above ``z`` is below ``p`` times the top
+  ``k``'s mass.  Both are decided from the known logits and the unscored members' bounds where these settle them,
+  else after scoring the atoms that could change the answer, ``_SCORE_CHUNK`` at a time, the largest bounds first.
+  A proposal near the top of the row needs no cluster.  Without a miss the law is vLLM's dense one.  A row with no
+  atom near ``low`` is drawn as a certified row with none to score; a flat row (more than twice the budget of atoms
+  near ``low``), one whose decisions need more than the budget, or with no proposal kept after
+  ``_PROPOSAL_BATCHES`` batches, is drawn as a certified row.
+* **Certified rows** (min_p with top_k or top_p): every atom whose largest member estimate plus
   ``δ`` reaches the filter's cutoff is resolved, the heaviest first, ``_RESOLVE_CHUNK`` at a time, with the cutoff
   computed again as resolved tokens raise it, up to ``budget`` clusters; the rest are dropped and vLLM's filters run
   on the exact tokens.  Without a miss the law is vLLM's dense one.
@@ -78,6 +82,8 @@ DEFAULT_BUDGET = 64
 _WINDOW = 1024
 #: Atoms a certified row resolves at a time before its cutoff is computed again.
 _RESOLVE_CHUNK = 16
+#: Atoms a top_k row scores at a time while a proposal's count or top_p mass is undecided.
+_SCORE_CHUNK = 4
 #: Atoms (by their largest member estimate) the top_p cut reads first; four times as many while the cut is unsure,
 #: up to ``_CUT_ATOMS``; then every atom, into ``_CUT_BUCKETS`` buckets of weight.
 _CUT_FIRST_ATOMS = 64
@@ -758,8 +764,8 @@ def _draw_row(
         pool = _threshold_pool(ids, logits, atoms, row_filter, resolve, options)
         return _threshold_draw(pool, atoms, key, resolve, vocab_size, options)
     spent = 0
-    if _is_top_k_alone(row_filter, vocab_size):
-        attempt = _top_k_draw(ids, logits, atoms, int(row_filter.top_k), key, resolve, options)
+    if _is_top_k_row(row_filter, vocab_size):
+        attempt = _top_k_draw(ids, logits, atoms, int(row_filter.top_k), row_filter.top_p, key, resolve, options)
         if isinstance(attempt, _RowDraw):
             return attempt
         spent = attempt
@@ -768,10 +774,10 @@ def _draw_row(
     return _RowDraw(int(kept.ids[winner]), kept.resolved + spent, kept.over_budget, False, None)
 
 
-def _is_top_k_alone(row_filter: RowFilter, vocab_size: int) -> bool:
-    """Whether the row asks for top_k with neither min_p nor top_p."""
+def _is_top_k_row(row_filter: RowFilter, vocab_size: int) -> bool:
+    """Whether the row asks for top_k, with or without top_p, and no min_p."""
     has_top_k = row_filter.top_k is not None and row_filter.top_k < vocab_size
-    return has_top_k and row_filter.top_p >= 1.0 and row_filter.min_p <= 0.0
+    return has_top_k and row_filter.min_p <= 0.0
 
 
 class _TopKRow:
@@ -801,45 +807,101 @@ class _TopKRow:
         """Members of the atoms at ``positions`` whose bound is above ``z``."""
         return int((self.atoms.estimates[self.clusters[positions]] + self.margin > z).sum())
 
+    def could_be_in_top_k(self, k: int) -> torch.Tensor:
+        """Positions of the unscored atoms with a member whose bound reaches the ``k``-th largest known logit."""
+        known = torch.cat(self.known)
+        kth = float(known.topk(k).values[-1]) if known.numel() >= k else float("-inf")
+        return torch.nonzero(self.unscored & (self.largest + self.margin >= kth)).flatten()
+
+    def in_nucleus(self, z: float, k: int, top_p: float) -> bool | None:
+        """Whether top_p keeps a token with logit ``z`` among the top ``k`` (the mass above ``z`` below ``top_p``
+        times the top ``k``'s mass), decided from the known logits and the unscored members' bounds; None while
+        the bounds leave it open."""
+        known = torch.cat(self.known).double()
+        if not bool(torch.isfinite(known).any()):
+            return None
+        bounds = (self.atoms.estimates[self.clusters[self.unscored]].double() + self.margin).flatten()
+        top = float(torch.cat([known, bounds]).max())
+        above_known = float(torch.exp(known[known > z] - top).sum())
+        above_bound = above_known + float(torch.exp(bounds[bounds > z] - top).sum())
+        top_k_known = known.topk(min(k, known.numel())).values
+        if not bool((bounds >= top_k_known[-1]).any()):  # no unscored member can enter the top k: its mass is known
+            top_k_low = top_k_high = float(torch.exp(known[known >= top_k_known[-1]] - top).sum())
+        else:
+            top_k_low = float(torch.exp(top_k_known - top).sum())
+            every = torch.cat([known, bounds])
+            top_k_high = float(torch.exp(every[every >= every.topk(min(k, every.numel())).values[-1]] - top).sum())
+        if above_bound < top_p * top_k_low:
+            return True
+        if above_known >= top_p * top_k_high:
+            return False
+        return None
+
+
+def _top_p_floor(
+    logits: torch.Tensor, atoms: Atoms, clusters: torch.Tensor, k: int, top_p: float, margin: float
+) -> float:
+    """The largest of a top_k row's exact ``logits`` that top_p surely drops, ``-inf`` if none: the exact mass above
+    it is at least ``top_p`` times the largest mass the top ``k`` can have (``clusters``: every atom that could hold a
+    token of the top ``k``, at its members' bounds).  top_p drops every token at or below it."""
+    values = logits.double().sort().values
+    if not values.numel():
+        return float("-inf")
+    every = torch.cat([values, (atoms.estimates[clusters].double() + margin).flatten()])
+    top = float(every.max())
+    top_k_high = float(torch.exp(every[every >= every.topk(min(k, every.numel())).values[-1]] - top).sum())
+    mass = torch.exp(values - top).cumsum(0)
+    above = mass[-1] - mass[torch.searchsorted(values, values, right=True) - 1]
+    dropped = above >= top_p * top_k_high
+    return float(values[dropped].max()) if bool(dropped.any()) else float("-inf")
+
 
 def _top_k_draw(
     ids: torch.Tensor,
     logits: torch.Tensor,
     atoms: Atoms,
     k: int,
+    top_p: float,
     key: torch.Tensor,
     resolve: Resolve,
     options: LawOptions,
 ) -> _RowDraw | int:
-    """A top_k row (no min_p, no top_p) by rejection, or the clusters it resolved before giving up (more atoms near
-    the cutoff than the budget; a membership count past the budget; no proposal accepted): then :func:`_certified`
-    draws it.  With no atom near the cutoff,
-    the certified row's Gumbel-max over ``E``'s top ``k`` (vLLM's token).
+    """A top_k row (``top_p`` 1 for none; no min_p) by rejection, or the clusters it resolved before giving up (a
+    flat row; decisions past the budget; no proposal accepted): then :func:`_certified` draws it.  With no atom near
+    the cutoff, the certified row's Gumbel-max over ``E``'s kept tokens (vLLM's token).
 
-    The cutoff is at least ``low``, the ``k``-th largest exact logit of ``E``: the proposal is the threshold rows'
-    at the cut ``low`` (``E``'s tokens from ``low`` up by ``exp(z)``, the atoms that could reach it by their members'
-    bounds), and a proposal with exact logit ``z`` (a member kept with probability ``exp(z - ẑ - δ)``) is kept iff
-    fewer than ``k`` tokens lie above ``z`` (vLLM's top_k keeps ties).  The count needs no cluster scored while the
-    known tokens above ``z`` and the unscored members whose bound is above it are fewer than ``k``, as for a
-    proposal near the top of the row; otherwise the atoms that could hold a token above ``z`` are scored first."""
+    The cutoff is at least ``low``, the ``k``-th largest exact logit of ``E`` (with top_p, at least
+    :func:`_top_p_floor`): the proposal is the threshold rows' at the cut ``low`` (``E``'s tokens from ``low`` up by
+    ``exp(z)``, the atoms that could reach it by their members' bounds), and a proposal with exact logit ``z`` (a
+    member kept with probability ``exp(z - ẑ - δ)``) is kept iff fewer than ``k`` tokens lie above ``z`` (vLLM's
+    top_k keeps ties) and, with top_p, the mass above ``z`` is below ``top_p`` times the top ``k``'s mass.  Neither
+    needs a cluster scored while the known logits and the unscored members' bounds settle it, as for a proposal near
+    the top of the row; otherwise the atoms that could change the answer are scored, the largest bounds first."""
     finite = torch.isfinite(logits)
     ids, logits = ids[finite], logits[finite]
     clusters = torch.nonzero(torch.isfinite(atoms.log_mass)).flatten()
     largest = atoms.largest[clusters]
     low = float(logits.topk(k).values[-1]) if logits.numel() >= k else float("-inf")
     near = largest + options.margin >= low
-    clusters, largest = clusters[near], largest[near]
+    clusters, largest = clusters[near], largest[near]  # every atom that could hold a token of the top k
     exact = torch.where(logits >= low, logits.double(), float("-inf"))
     if not clusters.numel():  # the certified row's draw, without its search for atoms near the cutoff
+        if top_p < 1.0:
+            inside = torch.nonzero(logits >= low).flatten()
+            exact[inside[~nucleus(logits[inside], top_p)]] = float("-inf")
         return _exact_draw(ids, exact, key, 0, False, None, 0.0)._replace(bound=None)
-    if clusters.numel() > options.budget:  # a flat row: a count near the cutoff would need more than the budget
+    if clusters.numel() > 2 * options.budget:  # a flat row: a count near the cutoff would need more than the budget
         return 0
-    if clusters.numel() <= _MASKED_BOUND_ATOMS:
+    if top_p < 1.0:
+        low = max(low, _top_p_floor(logits, atoms, clusters, k, top_p, options.margin))
+        exact = torch.where(logits >= low, logits.double(), float("-inf"))
+    proposed = torch.nonzero(largest + options.margin >= low).flatten()  # positions in `clusters`
+    if proposed.numel() <= _MASKED_BOUND_ATOMS:
         bound_cut = low
-        log_bound = torch.logsumexp(_bounds(atoms, clusters, low, options.margin), 1)
+        log_bound = torch.logsumexp(_bounds(atoms, clusters[proposed], low, options.margin), 1)
     else:
         bound_cut = float("-inf")
-        log_bound = atoms.log_mass[clusters].double() + options.margin
+        log_bound = atoms.log_mass[clusters[proposed]].double() + options.margin
     weights = torch.cat([exact, log_bound])
     cdf = torch.exp(weights - weights.max()).cumsum(0)
     row = _TopKRow(logits, atoms, clusters, largest, options.margin)
@@ -860,13 +922,43 @@ def _top_k_draw(
             resolved += len(positions)
         return True
 
+    def score_heaviest(positions: torch.Tensor) -> bool:
+        return score(positions[largest[positions].topk(min(positions.numel(), _SCORE_CHUNK)).indices].tolist())
+
+    def top_k_keeps(z: float) -> bool | None:
+        """Whether fewer than ``k`` tokens lie above ``z``, scoring the atoms that could hold one (the largest bounds
+        first) until the count is decided; None past the budget."""
+        while row.above(z) < k:
+            unsure = row.could_be_above(z)
+            if not unsure.numel() or row.above(z) + row.possibly_above(unsure, z) < k:
+                return True
+            if not score_heaviest(unsure):
+                return None
+        return False
+
+    def nucleus_keeps(z: float) -> bool | None:
+        """Whether top_p keeps a token of the top ``k`` with logit ``z``, scoring what the bounds leave open: the atoms
+        that could lie above ``z``, then those that could be in the top ``k``, the largest bounds first; None past
+        the budget."""
+        while (kept := row.in_nucleus(z, k, top_p)) is None:
+            near = row.could_be_above(z)
+            if not near.numel():
+                near = row.could_be_in_top_k(k)
+            if not near.numel():  # nothing left to score: the masses are exact, only a rounding tie gets here
+                return False
+            if not score_heaviest(near):
+                return None
+            if row.above(z) >= k:
+                return False
+        return kept
+
     for batch in range(_PROPOSAL_BATCHES):
         draws, picks = _proposals(cdf, key, batch)
         for proposal, pick in enumerate(picks):
             if pick < ids.numel():
                 token, z, from_atom = int(ids[pick]), float(logits[pick]), False
             else:
-                atom = pick - ids.numel()
+                atom = int(proposed[pick - ids.numel()])
                 if atom not in scored and not score([atom]):
                     return resolved
                 new_ids, new_logits, bounds = scored[atom]
@@ -875,13 +967,14 @@ def _top_k_draw(
                 if not (z >= low and draws[2][proposal] < math.exp(z - float(bounds[slot]))):
                     continue
                 token, from_atom = int(new_ids[slot]), True
-            if row.above(z) >= k:
+            in_nucleus = row.in_nucleus(z, k, top_p) if top_p < 1.0 else True  # scoring more keeps a True a True
+            if in_nucleus is False:
                 continue
-            unsure = row.could_be_above(z)
-            if unsure.numel() and row.above(z) + row.possibly_above(unsure, z) >= k:
-                if not score(unsure.tolist()):
-                    return resolved
-                if row.above(z) >= k:
-                    continue
-            return _RowDraw(token, resolved, False, from_atom, None)
+            kept = top_k_keeps(z)
+            if kept and in_nucleus is None:
+                kept = nucleus_keeps(z)
+            if kept is None:
+                return resolved
+            if kept:
+                return _RowDraw(token, resolved, False, from_atom, None)
     return resolved

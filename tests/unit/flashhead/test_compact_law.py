@@ -188,12 +188,13 @@ def _missed(compact, rows, exact, row, row_filter, options=DEFAULT_OPTIONS):
 
 @pytest.mark.parametrize(
     "row_filter",
-    [RowFilter(), RowFilter(top_p=0.9), RowFilter(min_p=0.02), RowFilter(top_k=30)],
-    ids=["temperature", "top_p", "min_p", "top_k"],
+    [RowFilter(), RowFilter(top_p=0.9), RowFilter(min_p=0.02), RowFilter(top_k=30), RowFilter(top_k=30, top_p=0.8)],
+    ids=["temperature", "top_p", "min_p", "top_k", "top_k+top_p"],
 )
-def test_draws_follow_the_law(row_filter):
+def test_draws_follow_the_law(row_filter, monkeypatch):
     """A low-rank estimate (atoms matter, proposals rejected): 4,000 seeds of one row against `row_law`, by χ²; the
-    default margin covers every member of this head (its rank-28 estimate's largest error is 0.7 nats)."""
+    default margin covers every member of this head (its rank-28 estimate's largest error is 0.7 nats).  top_k rows,
+    drawn by rejection, score fewer clusters than the certified draw of the same row."""
     head, g = _head(rank=28)
     hidden = torch.randn(1, HIDDEN, generator=g) * 0.3
     compact, rows, exact = _plan(head, hidden, 1.0, clusters=4)
@@ -207,17 +208,29 @@ def test_draws_follow_the_law(row_filter):
     assert drawn.atom_rows > 0 and drawn.resolved_clusters > drawn.atom_rows  # drawn from atoms, some rejected
     if row_filter.top_k is None:
         assert drawn.bound_rows == 4000 and drawn.bound_sum == 0
+    else:
+        import my_pkg.flashhead.compact_law as law_module
+
+        monkeypatch.setattr(law_module, "_is_top_k_row", lambda *args: False)
+        certified = _draws(compact, rows, exact, 0, row_filter, torch.arange(4000), options)
+        assert drawn.resolved_clusters < 0.8 * certified.resolved_clusters
 
 
-def test_with_every_cluster_exact_the_draw_is_vllms_gumbel_max():
-    """No atom left: the draw adds to each token the noise vLLM's kernel adds, so it picks vLLM's token."""
+@pytest.mark.parametrize(
+    "row_filter",
+    [RowFilter(), RowFilter(top_k=40), RowFilter(top_k=40, top_p=0.7)],
+    ids=["temperature", "top_k", "top_k+top_p"],
+)
+def test_with_every_cluster_exact_the_draw_is_vllms_gumbel_max(row_filter):
+    """No atom left: the draw adds to each token vLLM kernel's noise, so it picks vLLM's token among those kept."""
     head, g = _head(rank=4)
     hidden = torch.randn(1, HIDDEN, generator=g)
     compact, rows, exact = _plan(head, hidden, 0.8, clusters=head.num_clusters)
     seeds = torch.arange(200)
-    tokens = _draws(compact, rows, exact, 0, RowFilter(), seeds).tokens
+    tokens = _draws(compact, rows, exact, 0, row_filter, seeds).tokens
     dense = head.dense_logits(hidden)[0].double() / 0.8
-    expected = (dense + gumbel(row_keys(seeds)[:, None], torch.arange(VOCAB)[None])).argmax(1)
+    kept = torch.where(_dense_law(dense, row_filter) > 0, dense, -math.inf)
+    expected = (kept + gumbel(row_keys(seeds)[:, None], torch.arange(VOCAB)[None])).argmax(1)
     assert torch.equal(tokens, expected)
 
 
@@ -246,7 +259,8 @@ def test_a_row_needing_more_clusters_than_the_budget_is_counted():
     head, g = _head(rank=2)
     hidden = torch.randn(1, HIDDEN, generator=g)
     compact, rows, exact = _plan(head, hidden, 1.0, clusters=1)
-    wide = RowFilter(top_k=400, top_p=0.99)  # more tokens than one cluster holds: every atom is near the cutoff
+    # A certified row (top_k with min_p) keeping more tokens than one cluster holds: every atom is near the cutoff.
+    wide = RowFilter(top_k=400, min_p=1e-9)
     assert _draws(compact, rows, exact, 0, wide, torch.arange(3), LawOptions(budget=2)).over_budget_rows == 3
     drawn = _draws(compact, rows, exact, 0, wide, torch.arange(3), LawOptions(budget=head.num_clusters))
     # Without a budget: at least the 400 tokens' clusters, fewer than all once the 400th token's weight is known.
@@ -389,3 +403,44 @@ def test_the_batched_common_case_draws_what_each_rows_own_path_draws(row_filter,
         alone.over_budget_rows,
     )
     assert batched.bound_sum == pytest.approx(alone.bound_sum)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9])
+def test_a_top_k_rows_nucleus_verdicts_and_floor_hold_for_every_logit_within_the_bounds(top_p):
+    """top_k with top_p, by rejection: what the bounds decide (`in_nucleus` True or False; the floor under which top_p
+    drops every token) is what top_p does to the exact row, for member logits anywhere below their bounds; the
+    bounds decide many proposals before all atoms are scored, and every one after."""
+    import my_pkg.flashhead.compact_law as law
+
+    g = torch.Generator().manual_seed(7)
+    k, cap, count, margin = 24, 4, 12, 1.0
+    decided = asked = 0
+    for _ in range(40):
+        exact_logits = torch.randn(20, generator=g) * 2
+        estimates = torch.randn(count, cap, generator=g) * 2 - 1
+        truth = estimates + margin - torch.rand(count, cap, generator=g) * 2 * margin  # none above its bound
+        atoms = Atoms(
+            torch.logsumexp(estimates, 1),
+            estimates.max(1).values,
+            estimates,
+            torch.arange(count * cap).view(count, cap),
+        )
+        every = torch.cat([exact_logits, truth.flatten()]).double()
+        top_k = every >= every.topk(k).values[-1]
+        kept = torch.zeros_like(top_k)
+        kept[torch.nonzero(top_k).flatten()[nucleus(every[top_k], top_p)]] = True
+        clusters = torch.arange(count)
+        floor = law._top_p_floor(exact_logits, atoms, clusters, k, top_p, margin)
+        assert not bool((kept & (every <= floor)).any())
+        row = law._TopKRow(exact_logits, atoms, clusters, atoms.largest, margin)
+        for scored in range(count + 1):
+            for z, is_kept in zip(every[top_k].tolist(), kept[top_k].tolist()):
+                verdict = row.in_nucleus(z, k, top_p)
+                assert verdict in (None, is_kept)
+                assert verdict is not None or scored < count
+                if scored < count:
+                    asked += 1
+                    decided += verdict is not None
+            if scored < count:
+                row.add(scored, truth[scored])
+    assert decided > asked / 10  # before every atom is scored
