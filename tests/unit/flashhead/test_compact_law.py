@@ -90,19 +90,20 @@ def test_the_plan_scores_the_heaviest_clusters_exactly_and_leaves_the_rest_as_at
     pinned = PinnedIds(pinned_ids, head.weight.index_select(0, pinned_ids))
     compact, rows, exact = _plan(head, hidden, 0.7, pinned=pinned)
     dense = head.dense_logits(hidden).float() / 0.7
-    assert compact_clusters(head) == 4  # 64 rescored tokens in clusters of 16
+    n = compact_clusters(head)
+    assert n == 2  # 64 rescored tokens in clusters of 16, less the 2 left to the draw
     for row in range(3):
         ids = rows.exact_ids[row][rows.exact_valid[row]]
-        union = torch.cat([rows.exact_ids[row, : 4 * 16], pinned_ids]).unique()
+        union = torch.cat([rows.exact_ids[row, : n * 16], pinned_ids]).unique()
         assert ids.unique().numel() == ids.numel() == union.numel()  # each id once, pinned ids included
         torch.testing.assert_close(exact[row][rows.exact_valid[row]], dense[row, ids])
         # Every token is in E or in exactly one atom, and an atom's mass is its members' (full rank: exact).
         clusters = torch.nonzero(torch.isfinite(rows.atom_log_mass[row])).flatten()
-        assert clusters.numel() == head.num_clusters - 4
+        assert clusters.numel() == head.num_clusters - n
         masses = torch.stack([torch.logsumexp(compact.resolve(rows, row, c.view(1))[1], 0) for c in clusters])
         torch.testing.assert_close(masses, rows.atom_log_mass[row, clusters], atol=1e-3, rtol=1e-4)
         # The chosen clusters are the heaviest (full rank: by their exact mass, pinned ids left out).
-        chosen = torch.logsumexp(exact[row, : 4 * 16].view(4, 16), dim=1)
+        chosen = torch.logsumexp(exact[row, : n * 16].view(n, 16), dim=1)
         assert float(chosen.min()) >= float(rows.atom_log_mass[row, clusters].max()) - 1e-4
 
 
