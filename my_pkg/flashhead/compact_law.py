@@ -787,17 +787,26 @@ class _TopKRow:
     def __init__(
         self, logits: torch.Tensor, atoms: Atoms, clusters: torch.Tensor, largest: torch.Tensor, margin: float
     ):
-        self.known = [logits]
+        self.known = logits.double()
         self.atoms, self.clusters, self.largest, self.margin = atoms, clusters, largest, margin
         self.unscored = torch.ones(clusters.numel(), dtype=torch.bool, device=clusters.device)
+        self._unscored_bounds: torch.Tensor | None = None
 
     def add(self, position: int, member_logits: torch.Tensor) -> None:
-        self.known.append(member_logits)
+        self.known = torch.cat([self.known, member_logits.double()])
         self.unscored[position] = False
+        self._unscored_bounds = None
 
     def above(self, z: float) -> int:
         """Tokens known to be above ``z``."""
-        return sum(int((values > z).sum()) for values in self.known)
+        return int((self.known > z).sum())
+
+    def unscored_bounds(self) -> torch.Tensor:
+        """Every unscored member's bound ``ẑ + δ`` (float64, ``-inf`` at padding), made again after each score."""
+        if self._unscored_bounds is None:
+            estimates = self.atoms.estimates[self.clusters[self.unscored]]
+            self._unscored_bounds = (estimates.double() + self.margin).flatten()
+        return self._unscored_bounds
 
     def could_be_above(self, z: float) -> torch.Tensor:
         """Positions of the unscored atoms with a member whose bound is above ``z``."""
@@ -809,7 +818,7 @@ class _TopKRow:
 
     def could_be_in_top_k(self, k: int) -> torch.Tensor:
         """Positions of the unscored atoms with a member whose bound reaches the ``k``-th largest known logit."""
-        known = torch.cat(self.known)
+        known = self.known
         kth = float(known.topk(k).values[-1]) if known.numel() >= k else float("-inf")
         return torch.nonzero(self.unscored & (self.largest + self.margin >= kth)).flatten()
 
@@ -817,10 +826,10 @@ class _TopKRow:
         """Whether top_p keeps a token with logit ``z`` among the top ``k`` (the mass above ``z`` below ``top_p``
         times the top ``k``'s mass), decided from the known logits and the unscored members' bounds; None while
         the bounds leave it open."""
-        known = torch.cat(self.known).double()
+        known = self.known
         if not bool(torch.isfinite(known).any()):
             return None
-        bounds = (self.atoms.estimates[self.clusters[self.unscored]].double() + self.margin).flatten()
+        bounds = self.unscored_bounds()
         top = float(torch.cat([known, bounds]).max())
         above_known = float(torch.exp(known[known > z] - top).sum())
         above_bound = above_known + float(torch.exp(bounds[bounds > z] - top).sum())

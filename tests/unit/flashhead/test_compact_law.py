@@ -237,10 +237,11 @@ def test_with_every_cluster_exact_the_draw_is_vllms_gumbel_max(row_filter):
 
 def test_a_seed_gives_the_same_token_whatever_the_batch():
     head, g = _head(rank=4)
-    hidden = torch.randn(5, HIDDEN, generator=g)
+    hidden = torch.randn(6, HIDDEN, generator=g)
     compact, rows, exact = _plan(head, hidden, 0.9, clusters=4)
-    seeds = torch.tensor([11, 22, 33, 44, 55])
+    seeds = torch.tensor([11, 22, 33, 44, 55, 66])
     filters = [RowFilter(), RowFilter(top_p=0.9), RowFilter(top_k=5), RowFilter(min_p=0.1), RowFilter(top_p=0.5)]
+    filters.append(RowFilter(top_k=20, top_p=0.8))
     batch = draw(
         rows.exact_ids,
         exact,
@@ -250,7 +251,7 @@ def test_a_seed_gives_the_same_token_whatever_the_batch():
         lambda row, clusters: compact.resolve(rows, row, clusters),
         VOCAB,
     ).tokens
-    for row in range(5):
+    for row in range(6):
         _, alone_rows, alone_exact = _plan(head, hidden[row : row + 1], 0.9, clusters=4)
         alone = _draws(compact, alone_rows, alone_exact, 0, filters[row], seeds[row : row + 1]).tokens
         assert int(alone[0]) == int(batch[row])
