@@ -14,11 +14,13 @@ Needs torch and Triton only (never vLLM). Two parts:
 2. Timing (CUDA only), with ``triton.testing`` (median ms), of the serving path: ``step_logits`` for
    greedy rows, sampled rows and a mixed batch, with pinned ids, against dense ``F.linear`` into the
    same ``[B, V]`` logits, batch 1 to 256.  By default each step is captured in a CUDA graph and
-   replayed (``--eager`` times eager launches instead).
+   replayed (``--eager`` times eager launches instead).  Then, per head, what a server's start-up timing
+   decides: FlashHead's kernels serve, or the head stands down (``slower_than_dense``).
 
     python -m bench.gpu_check                      # CUDA: correctness, then timing (CUDA graphs)
     python -m bench.gpu_check --json gpu.json      # also write every figure as JSON
     python -m bench.gpu_check --eager              # time eager launches instead of graph replays
+    python -m bench.gpu_check --no-correctness     # timing only
     python -m bench.gpu_check --interpret          # no GPU: correctness only, Triton interpreter, tiny shapes
 
 Exit status: 0 every case passed, 1 a correctness case failed, 2 no CUDA device (without ``--interpret``).
@@ -315,6 +317,22 @@ def _bench(fn: Callable[[], Any], cuda_graphs: bool) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def startup_verdict(flash: FlashHead, dense_weight: torch.Tensor, pins: torch.Tensor) -> str | None:
+    """What a server's start-up timing decides for this head (``measure_step_costs`` on the device's clock, then
+    ``StepCosts.slower_than_dense``): None when FlashHead's kernels serve, else why the head stands down."""
+    from my_pkg.flashhead.step_costs import measure_step_costs
+
+    costs = measure_step_costs(
+        lambda hidden, sampled: flash.step_logits(hidden, sampled=sampled, pinned=pins),
+        lambda hidden: torch.nn.functional.linear(hidden, dense_weight),
+        dense_weight.shape[1],
+        dtype=dense_weight.dtype,
+        sampled_rows=True,
+        device=dense_weight.device,
+    )
+    return costs.slower_than_dense()
+
+
 def run_timing(
     device: torch.device,
     shapes: list[tuple[int, int]],
@@ -361,8 +379,11 @@ def run_timing(
                 f"{batch:5d} | {row['dense_ms']:8.4f} | " + " | ".join(cells) + f" | {row['stage1_ms']:.4f}", flush=True
             )
             rows.append(row)
+        verdict = startup_verdict(flash, dense_weight, pins)
+        print("start-up timing, as a server times it: " + (verdict or "FlashHead's kernels serve"), flush=True)
         tables.append(
             {
+                "startup_stands_down": verdict,
                 "vocab": vocab,
                 "hidden": hidden,
                 "dtype": DTYPE_NAMES[dtype],
@@ -408,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every figure to FILE")
     ap.add_argument("--no-timing", action="store_true", help="correctness only")
+    ap.add_argument("--no-correctness", action="store_true", help="timing only (CUDA)")
     ap.add_argument(
         "--timing-shapes",
         type=shape_list,
@@ -444,14 +466,17 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "tolerances: " + "; ".join(f"{DTYPE_NAMES[d]} atol {t.atol:g} rtol {t.rtol:g}" for d, t in TOLERANCES.items())
     )
-    with exact_matmuls():
-        results = run_correctness(device, shapes, dtypes, lambda case: print(case.line(), flush=True))
+    results: list[CaseResult] = []
+    if not args.no_correctness:
+        with exact_matmuls():
+            results = run_correctness(device, shapes, dtypes, lambda case: print(case.line(), flush=True))
     failed = [r for r in results if not r.passed]
     differ = sum(not r.argmax_matches_torch_path for r in results)
-    print(
-        f"correctness: {len(results) - len(failed)}/{len(results)} cases passed"
-        + (f" ({differ} where the argmax differs from the torch path's within tolerance)" if differ else "")
-    )
+    if results:
+        print(
+            f"correctness: {len(results) - len(failed)}/{len(results)} cases passed"
+            + (f" ({differ} where the argmax differs from the torch path's within tolerance)" if differ else "")
+        )
 
     timing = []
     if not args.interpret and not args.no_timing:

@@ -19,6 +19,7 @@ ReasonCode = Literal[
     "build_failed",
     "quantized_head",
     "warm_up_failed",
+    "slower_than_dense",
     "tensor_parallel_rank",
     "pipeline_parallel",
     "speculative_decoding",
@@ -37,6 +38,8 @@ REASON_CODES: Final[dict[str, str]] = {
     "build_failed": "the head could not be built over the LM head vLLM loaded",
     "quantized_head": "the LM head is quantized",
     "warm_up_failed": "the head failed its warm-up step",
+    "slower_than_dense": "on an accelerator, FlashHead's kernels measured at least as slow as the dense head at one "
+    "row when the model loaded (`MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set: not timed, FlashHead serves)",
     "tensor_parallel_rank": "another tensor-parallel rank cannot serve FlashHead (agreed when the model loads)",
     "pipeline_parallel": "pipeline parallel size > 1",
     "speculative_decoding": "not reported (`spec` gives each part of speculative decoding its own code)",

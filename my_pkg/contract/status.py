@@ -221,8 +221,9 @@ class FlashHeadState(WorkerReply):
     step_costs: StepCostsReport | None = Field(
         default=None,
         description="What a step costs each way on this worker, timed when the head was built, and the served steps' "
-        "corrections; null when not timed (`MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set, `VLLM_BATCH_INVARIANT=1`, "
-        "a GPU head, or no head): FlashHead's kernels then serve every step.",
+        "corrections (a GPU head: FlashHead's kernels and the dense head only, the figures behind "
+        "`slower_than_dense`); null when not timed (`MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD` set, "
+        "`VLLM_BATCH_INVARIANT=1`, or no head): FlashHead's kernels then serve every step.",
     )
     counters: FlashHeadCounters = Field(default_factory=FlashHeadCounters)
     recent: RecentRows = Field(default_factory=RecentRows, description="The rows of the last decode steps.")

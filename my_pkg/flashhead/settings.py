@@ -28,8 +28,8 @@ class FlashHeadSettings:
     enabled: bool
     n_probes: int
     dense_batch_threshold: int | None  # steps with more rows go dense; None: never, per request only
-    # The environment left the threshold unset: a CPU head measures where the dense head is faster
-    # (`my_pkg.flashhead.step_costs`) and serves such steps dense.
+    # The environment left the threshold unset: the head measures where the dense head is faster
+    # (`my_pkg.flashhead.step_costs`): on CPU such steps take the masked way, on a GPU a slower head stands down.
     measure_step_costs: bool
     probe_sampling: bool  # sampled rows get estimated logits, the best-estimated tokens and sampled_n_probes exact
     sampled_n_probes: int | None  # clusters a sampled row probes; None: spec.default_sampled_n_probes

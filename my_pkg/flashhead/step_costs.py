@@ -47,6 +47,7 @@ __all__ = [
     "MEASURE_BUDGET_S",
     "StepCosts",
     "StepPlan",
+    "device_clock",
     "measure_step_costs",
 ]
 
@@ -164,6 +165,22 @@ class StepCosts:
         kernels = self.flashhead_s(greedy, sampled) + (greedy + sampled) * check_s + self.dense_s_at(dense)
         return "masked" if self.margin * self.masked_s(greedy, sampled, dense) < kernels else "flashhead"
 
+    def slower_than_dense(self) -> str | None:
+        """Why FlashHead's kernels do not pay here, or None: at the smallest timed batch (FlashHead's best case,
+        one row of a decode), a greedy step, or a sampled one where sampled rows were timed, takes at least the
+        dense head's time."""
+        rows, dense_s = self.batches[0], self.dense_s[0]
+        kinds = [("greedy", self.greedy_s[0])]
+        if self.sampled_s is not None:
+            kinds.append(("sampled", self.sampled_s[0]))
+        slow = [f"a {kind} step {seconds * 1e3:.3f} ms" for kind, seconds in kinds if seconds >= dense_s]
+        if not slow:
+            return None
+        return (
+            f"FlashHead's kernels measured slower than the dense head at {rows} row(s): "
+            f"{' and '.join(slow)} against the dense head's {dense_s * 1e3:.3f} ms"
+        )
+
     def masked_from(self, *, sampled: bool, check_every: int = 0) -> int | None:
         """The smallest timed batch at which a step of only greedy (or only sampled) rows is served the masked
         way, None when FlashHead's kernels serve it at every timed batch."""
@@ -213,9 +230,22 @@ def _time_batches(
     return fastest
 
 
-def _hidden(rows: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+def _hidden(rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(rows, hidden_size, generator=generator).to(dtype)
+    return torch.randn(rows, hidden_size, generator=generator).to(device=device, dtype=dtype)
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """The host clock, read once ``device`` has finished the work queued on it: a call timed between two readings
+    counts its whole run on an accelerator, not only its launches."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
 
 
 def measure_step_costs(
@@ -230,23 +260,27 @@ def measure_step_costs(
     budget_s: float = MEASURE_BUDGET_S,
     repeats: int = 2,
     passes: int = 2,
-    clock: Callable[[], float] = time.perf_counter,
+    device: torch.device | str = "cpu",
+    clock: Callable[[], float] | None = None,
 ) -> StepCosts:
     """Time ``dense_step(hidden)`` and ``flashhead_step(hidden, sampled)`` (greedy rows, then, when
     ``sampled_rows``, sampled rows and mixed steps of every other row sampled), and with ``masked_step`` the
-    masked way (greedy rows, and sampled rows when ``sampled_rows``) on random CPU hidden states at
+    masked way (greedy rows, and sampled rows when ``sampled_rows``) on random hidden states at
     each of ``batches`` rows, ``repeats`` times after one untimed call, the sides taking turns, until
     ``budget_s`` is spent; then ``passes - 1`` more times over the batches the first pass reached.  Each
     side's time is its fastest run (another process's work only ever adds time; the first pass over fresh
     memory can run slow at some sizes).
 
-    CPU only: the calls are timed by the host clock, which on an accelerator would time the launch.
-    The hidden states are random: a row scores a fixed number of clusters and estimated tokens whatever
-    its values, and random rows probe unrelated clusters and rank unrelated tokens best, which makes the
+    The hidden states live on ``device``; the calls are timed by ``clock``, by default the host clock read once
+    the device is idle (:func:`device_clock`: on an accelerator the whole run, launches and kernels, as if nothing
+    overlapped them).  The hidden states are random: a row scores a fixed number of clusters and estimated tokens
+    whatever its values, and random rows probe unrelated clusters and rank unrelated tokens best, which makes the
     times an upper bound: decode rows of real text share some (half of their ids at 8 rows on the trained
     fixture, ``python -m bench.experiments.union_rows --fixture``), and a batch reads each shared head row once.
     """
-    hidden = _hidden(max(batches), hidden_size, dtype)
+    device = torch.device(device)
+    hidden = _hidden(max(batches), hidden_size, dtype, device)
+    clock = clock if clock is not None else device_clock(device)
 
     def runs_at(rows: int) -> dict[str, Callable[[], object]]:
         part = hidden[:rows]

@@ -196,6 +196,13 @@ def warm_up(
     return None
 
 
+def on_host(head: FlashHead) -> bool:
+    """Whether `head` runs on the host (CPU), where served steps are timed by the host clock and each step takes the
+    cheaper of FlashHead's kernels and the masked way (`timing.StepWays`); an accelerator's head is timed at start-up
+    only, and stands down when its kernels do not pay (`StepCosts.slower_than_dense`)."""
+    return head.weight.device.type == "cpu"
+
+
 def measure(
     head: FlashHead,
     pins: PinnedRows | None,
@@ -204,13 +211,13 @@ def measure(
     probe_sampling: bool,
     dense: Dense,
 ) -> StepCosts | None:
-    """Time :func:`head_step` and :func:`masked_step` beside `dense` at batches of 1, 2, 4, ... rows
-    (`measure_step_costs`), under inference mode; None when that fails (logged): without a measurement
-    FlashHead's kernels serve every step."""
+    """Time :func:`head_step` beside `dense` at batches of 1, 2, 4, ... rows (`measure_step_costs`, on the head's
+    device), and on the host :func:`masked_step` too, under inference mode; None when that fails (logged): without a
+    measurement FlashHead's kernels serve every step."""
     try:
         with torch.inference_mode():
             step = head_step(head, pins, stage1, width, probe_sampling)
-            masked = masked_step(head, pins, stage1, width, probe_sampling, dense)
+            masked = masked_step(head, pins, stage1, width, probe_sampling, dense) if on_host(head) else None
             return measure_step_costs(
                 step,
                 dense,
@@ -218,6 +225,7 @@ def measure(
                 dtype=head.weight.dtype,
                 sampled_rows=probe_sampling,
                 masked_step=masked,
+                device=head.weight.device,
             )
     except Exception as exc:  # noqa: BLE001
         logger.warning(

@@ -6,8 +6,9 @@ One `FlashHeadController` hangs off the logits processor of a model that ships F
 1. `__init__` / `from_model_dir`: reads the assets while vLLM constructs the model, or records why FlashHead
    cannot serve it (`availability.py`, `ReasonCode`).
 2. `prepare(weight)`: right after vLLM loaded the weights, builds the head over the loaded LM head (`bind`),
-   runs it once (`warm_up`) so that vLLM's KV-cache sizing counts its memory, then on a CPU head with no
-   threshold set times its steps beside vLLM's dense product (`measure_costs`; all three in `build.py`).
+   runs it once (`warm_up`) so that vLLM's KV-cache sizing counts its memory, then with no threshold set times
+   its steps beside vLLM's dense product (`measure_costs`; all three in `build.py`): on a GPU a head slower than
+   the dense product stands down.
    Under tensor parallelism the head covers this rank's vocabulary shard and `stage1` its share of the
    centroids (`my_pkg.flashhead.probes.ShardStage1`).
 3. Each decode step: the model runner arms it with the step's rows (`arm`, `StepRows`) and `compute_logits`
@@ -83,8 +84,8 @@ class FlashHeadController:
         self.head: Any = None
         self.vocab_range: tuple[int, int] | None = None  # this rank's vocabulary shard under tensor parallelism
         self.stage1: ShardStage1 | None = None  # this rank's share of the centroids under tensor parallelism
-        #: What a step costs each way on this machine, measured at `prepare` (a CPU head; under tensor
-        #: parallelism this rank's own part), and the way each step takes, corrected by served steps.
+        #: What a step costs each way on this machine, measured at `prepare` (under tensor parallelism this rank's
+        #: own part), and the way each step takes, corrected by served steps (a CPU head).
         self.step_costs: StepCosts | None = None
         self.ways = StepWays(None)
         #: Tensor parallelism: some rank could not serve FlashHead when the model loaded (`agree`): no rank does.
@@ -182,17 +183,22 @@ class FlashHeadController:
             self.head, self._pins, self.vocab_range = built.head, built.pins, vocab_range
 
     def measure_costs(self, dense: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """On a CPU head with no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`, time its steps both ways beside `dense`
-        (`build.measure`; each tensor-parallel rank its own part): the prior from which `ways` chooses."""
+        """With no `MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD`, time the head's steps beside `dense` (`build.measure`;
+        each tensor-parallel rank its own part). On the host both ways are timed: the prior from which `ways`
+        chooses. An accelerator's head whose kernels measured slower than `dense` at one row stands down: the model
+        serves vLLM's dense head."""
         head = self.head
         if not self.settings.measure_step_costs or head is None:
-            return
-        if head.weight.device.type != "cpu":
             return
         self.step_costs = build.measure(
             head, self._pins, self.stage1, self._keys_width(), self.settings.probe_sampling, dense
         )
         if self.step_costs is None:
+            return
+        slower = None if build.on_host(head) else self.step_costs.slower_than_dense()
+        if slower is not None:
+            self.head = None
+            self.make_unavailable("slower_than_dense", f"{slower} on {head.weight.device}")
             return
         self.ways = StepWays(self.step_costs)
         costs_report = self._step_costs_report()

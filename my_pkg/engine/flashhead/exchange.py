@@ -22,10 +22,10 @@ from my_pkg.flashhead.settings import FlashHeadSettings
 
 __all__ = ["RANK_LOCAL_CODES", "exchange_width", "keys_width", "payload", "takes_part"]
 
-#: Reasons a controller can be unavailable on some ranks of a tensor-parallel model and not others (the
-#: rest come from the configuration or the head's type, the same on every rank): such a rank still
-#: takes part in the stage-1 exchange, so that no other rank waits for it.
-RANK_LOCAL_CODES = frozenset({"build_failed", "warm_up_failed"})
+#: Reasons a controller can be unavailable on some ranks of a tensor-parallel model and not others (a failure, or
+#: its own start-up timing; the rest come from the configuration or the head's type, the same on every rank): such a
+#: rank still takes part in the stage-1 exchange, so that no other rank waits for it.
+RANK_LOCAL_CODES = frozenset({"build_failed", "warm_up_failed", "slower_than_dense"})
 
 OnFailure = Callable[[BaseException, int], None]
 

@@ -455,6 +455,28 @@ def test_a_step_on_cuda_never_synchronises(weight, monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_start_up_timing_waits_for_the_device_and_decides_both_ways(weight, monkeypatch):
+    """A real GPU: a dense product that queues tens of ms of device work returns at once to the host; timed with
+    the device's clock it loses to FlashHead, which serves. One GEMM of a 512-token head beats FlashHead's several
+    launches: that head stands down."""
+    monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
+    cuda_weight = weight.cuda()
+
+    def slow_dense(hidden):
+        torch.cuda._sleep(50_000_000)  # clock cycles: 25 ms at 2 GHz
+        return hidden @ cuda_weight.T
+
+    served = _unbuilt_controller(cuda_weight)
+    served.prepare(cuda_weight, dense=slow_dense)
+    assert served.head is not None and served.status().reason_code is None
+    assert served.step_costs is not None and served.step_costs.dense_s[0] > 0.01
+    stood_down = _unbuilt_controller(cuda_weight)
+    stood_down.prepare(cuda_weight, dense=lambda hidden: hidden @ cuda_weight.T)
+    assert stood_down.head is None and stood_down.status().reason_code == "slower_than_dense"
+    assert "on cuda:0" in stood_down.status().reason
+
+
 def test_pinned_ids_are_cached_per_stop_id_set_with_their_weight_rows(weight):
     ctl = _pinned_controller(weight, [2, 5])
     pins = ctl._pins
@@ -636,6 +658,58 @@ def test_a_vocabulary_shard_is_timed_alone_with_its_share_of_stage_1(weight, mon
     assert shard.head is not None and costs is not None
     assert set(dense_rows) == set(costs.batches) and set(costs.batches) <= set(shard_keys)
     assert costs.masked_greedy_ms is not None and len(costs.masked_greedy_ms) == len(costs.batches)
+
+
+def _on_an_accelerator(monkeypatch, flashhead_delay_s: float, dense_delay_s: float):
+    """Heads timed as an accelerator's (`build.on_host` False), with each side's step `delay_s` slower."""
+    import time
+
+    from my_pkg.engine.flashhead import build
+
+    monkeypatch.setattr(build, "on_host", lambda head: False)
+    real_step = build.head_step
+
+    def delayed_step(*args):
+        step = real_step(*args)
+        return lambda hidden, sampled: (time.sleep(flashhead_delay_s), step(hidden, sampled))[1]
+
+    monkeypatch.setattr(build, "head_step", delayed_step)
+    return lambda weight: lambda hidden: (time.sleep(dense_delay_s), hidden @ weight.T)[1]
+
+
+def test_an_accelerators_head_slower_than_the_dense_head_stands_down(weight, monkeypatch, caplog):
+    """On a GPU FlashHead's kernels can cost more than vLLM's dense product (several launches against one GEMM): the
+    head measured so at one row is dropped, and the model serves vLLM's dense head, with the figures in the status."""
+    monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
+    dense = _on_an_accelerator(monkeypatch, flashhead_delay_s=0.004, dense_delay_s=0.0)
+    ctl = _unbuilt_controller(weight)
+    ctl.prepare(weight, dense=dense(weight))
+    state = ctl.status()
+    assert ctl.head is None and not ctl.available and state.active is False
+    assert state.reason_code == "slower_than_dense"
+    assert "measured slower than the dense head at 1 row(s): a greedy step" in state.reason and "on cpu" in state.reason
+    assert state.step_costs is not None and state.step_costs.greedy_ms[0] > state.step_costs.dense_ms[0]
+    assert state.step_costs.masked_greedy_ms is None  # the masked way is timed on the host only
+    assert "dense head in use" in caplog.text
+
+
+def test_an_accelerators_head_faster_than_the_dense_head_serves_every_step(weight, monkeypatch):
+    monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
+    dense = _on_an_accelerator(monkeypatch, flashhead_delay_s=0.0, dense_delay_s=0.004)
+    ctl = _unbuilt_controller(weight)
+    ctl.prepare(weight, dense=dense(weight))
+    assert ctl.head is not None and ctl.available and ctl.status().reason_code is None
+    assert ctl.step_costs is not None and not ctl.ways.timed  # no per-step choice: the host clock times no step here
+    ctl.compute_logits(torch.randn(4, HIDDEN), _rows([0] * 4), _dense(weight), lambda x: x)
+    assert ctl.counters.rows_flashhead == 4 and ctl.counters.rows_flashhead_masked == 0
+
+
+def test_an_operator_threshold_keeps_an_accelerators_head_serving_untimed(weight, monkeypatch):
+    monkeypatch.setenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", "never")
+    dense = _on_an_accelerator(monkeypatch, flashhead_delay_s=0.004, dense_delay_s=0.0)
+    ctl = _unbuilt_controller(weight)
+    ctl.prepare(weight, dense=dense(weight))
+    assert ctl.head is not None and ctl.step_costs is None and ctl.status().reason_code is None
 
 
 def test_a_failing_dense_product_is_not_timed(weight, monkeypatch, caplog):

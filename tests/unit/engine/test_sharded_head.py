@@ -249,6 +249,31 @@ def test_a_rank_whose_head_failed_to_build_still_takes_part_in_the_exchange(grou
     assert group.calls == {0: 1, 1: 1}
 
 
+def test_a_rank_whose_head_stood_down_after_timing_itself_still_takes_part_in_the_exchange(group, weight, monkeypatch):
+    """On an accelerator each rank times its own part at load: one whose kernels measured slower than its shard of
+    the dense product stands down alone, and must still reach every collective of a step."""
+    from my_pkg.engine.flashhead import build
+
+    monkeypatch.delenv("MY_PKG_FLASHHEAD_DENSE_BATCH_THRESHOLD", raising=False)
+    hidden = torch.randn(2, HIDDEN)
+    ranks = _ranks(weight, n_probes=CLUSTERS)
+    slow_weight = ranks[1][1].weight.data_ptr()
+
+    def measure(head, *args):
+        greedy_s = 2.0 if head.weight.data_ptr() == slow_weight else 0.5
+        return StepCosts(batches=(1,), dense_s=(1.0,), greedy_s=(greedy_s,), sampled_s=None)
+
+    monkeypatch.setattr(build, "on_host", lambda head: False)
+    monkeypatch.setattr(build, "measure", measure)
+    _build(group, ranks, hidden)
+    stood_down, serving = ranks[1][0]._my_pkg_flashhead, ranks[0][0]._my_pkg_flashhead
+    assert stood_down.head is None and stood_down.unavailable_code == "slower_than_dense"
+    assert serving.head is not None and serving.available
+    logits = _step(group, ranks, hidden)
+    torch.testing.assert_close(logits, hidden @ weight.T)  # full probes on rank 0, the dense shard on rank 1
+    assert group.calls == {0: 1, 1: 1}
+
+
 def test_no_exchange_when_flashhead_is_disabled(group, weight):
     hidden = torch.randn(2, HIDDEN)
     ranks = _ranks(weight, n_probes=1)

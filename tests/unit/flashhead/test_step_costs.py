@@ -222,3 +222,55 @@ def test_measurement_times_the_masked_way_of_each_kind_when_given_it():
     )
     assert costs.masked_greedy_s == (11.0, 11.0) and costs.masked_sampled_s == (12.0, 12.0)
     assert {rows for rows, _ in seen} == {1, 4} and {kind for _, kind in seen} == {False, True}
+
+
+@pytest.mark.parametrize(
+    ("greedy_ms", "sampled_ms", "slow"),
+    [
+        (0.05, 0.09, None),  # both kinds under the dense head's 0.10 ms at one row
+        (0.10, 0.05, ["a greedy step 0.100 ms"]),  # a tie does not pay
+        (0.05, 0.30, ["a sampled step 0.300 ms"]),
+        (0.20, 0.30, ["a greedy step 0.200 ms", "a sampled step 0.300 ms"]),
+        (0.20, None, ["a greedy step 0.200 ms"]),  # sampled rows served as greedy ones: not timed
+    ],
+)
+def test_flashhead_is_slower_than_dense_when_either_kind_of_one_row_takes_the_dense_heads_time(
+    greedy_ms, sampled_ms, slow
+):
+    # Larger batches never save FlashHead: one row is its best case, so they do not enter the verdict.
+    costs = StepCosts(
+        batches=(1, 64),
+        dense_s=(1e-4, 1e-4),
+        greedy_s=(greedy_ms * 1e-3, 1.0),
+        sampled_s=None if sampled_ms is None else (sampled_ms * 1e-3, 1.0),
+    )
+    reason = costs.slower_than_dense()
+    if slow is None:
+        assert reason is None
+    else:
+        assert reason is not None and "against the dense head's 0.100 ms" in reason
+        assert all(part in reason for part in slow) and reason.count(" step ") == len(slow)
+
+
+def test_measurement_reads_the_clock_once_the_device_is_idle(monkeypatch):
+    """On an accelerator a call returns once its kernels are queued: the default clock waits for the device, so that
+    the time counts their run."""
+    from my_pkg.flashhead import step_costs
+
+    waits: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    clock = step_costs.device_clock(torch.device("cuda", 1))
+    clock()
+    assert waits == [torch.device("cuda", 1)]
+    assert step_costs.device_clock(torch.device("cpu")) is step_costs.time.perf_counter
+    rows: list[torch.device] = []
+    measure_step_costs(
+        lambda hidden, sampled: rows.append(hidden.device),
+        lambda hidden: rows.append(hidden.device),
+        8,
+        dtype=torch.float32,
+        sampled_rows=False,
+        batches=(1,),
+        device="meta",  # the hidden states are made on the head's device
+    )
+    assert rows and {row.type for row in rows} == {"meta"}
