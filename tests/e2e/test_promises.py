@@ -21,10 +21,13 @@ pytestmark = pytest.mark.e2e
 FLASHHEAD = "/plugins/my_pkg/flashhead"
 PROMPT = "what is the name of the city"
 OTHERS = ["the world and the sun", "hello world", "water food and fire", "one two three four", '{ " name " :']
-#: A greedy request and a seeded sampled one (temperature, top-p, seed: vLLM's per-request generator).
+#: A greedy request and seeded sampled ones (vLLM's per-request generator): temperature and top-p (a threshold row of
+#: the compact law), and top-k with top-p at a temperature high enough that the tiny model's rows keep several
+#: tokens (a top-k row, drawn by rejection).
 REQUESTS = {
     "greedy": {"temperature": 0},
     "seeded": {"temperature": 0.8, "top_p": 0.9, "seed": 1234},
+    "seeded_top_k": {"temperature": 1.5, "top_k": 40, "top_p": 0.9, "seed": 4321},
 }
 
 
@@ -68,6 +71,9 @@ def test_a_requests_text_does_not_depend_on_its_neighbours(fh, flashhead_server)
     assert _put(fh, {"n_probes": 1}).status_code == 200  # so few probes that FlashHead's text is not the dense one
     before = _status(fh)["counters"]
     alone = {name: _text(fh, model, **params) for name, params in REQUESTS.items()}
+    # The top-k request's text depends on its seed: were its draw not reproducible, the repeats below would differ.
+    other_seed = {**REQUESTS["seeded_top_k"], "seed": REQUESTS["seeded_top_k"]["seed"] + 1}
+    assert _text(fh, model, **other_seed) != alone["seeded_top_k"], alone
     # Alone twice more: a step of one row is served now and then the other way than its timing picks, to keep both
     # ways' times fresh, so the repeats cross ways too.
     for _ in range(2):
@@ -93,6 +99,11 @@ def test_a_requests_text_does_not_depend_on_its_neighbours(fh, flashhead_server)
     compact = counters["compact"]
     assert compact["rows"] > before["compact"]["rows"], compact
     assert compact["unmatched_rows"] == compact["failed_rows"] == 0, compact
+    # Top-k rows among them (every compact row but the threshold rows: no top-k).
+    top_k_rows = (compact["rows"] - compact["bound_rows"]) - (
+        before["compact"]["rows"] - before["compact"]["bound_rows"]
+    )
+    assert top_k_rows >= 31 * 7, (top_k_rows, compact)  # 7 requests, each 31 decode steps after its first token
 
 
 def _stream(http, body: dict, arrivals: list[float]) -> None:
