@@ -823,28 +823,42 @@ class _TopKRow:
         return torch.nonzero(self.unscored & (self.largest + self.margin >= kth)).flatten()
 
     def in_nucleus(self, z: float, k: int, top_p: float) -> bool | None:
-        """Whether top_p keeps a token with logit ``z`` among the top ``k`` (the mass above ``z`` below ``top_p``
-        times the top ``k``'s mass), decided from the known logits and the unscored members' bounds; None while
-        the bounds leave it open."""
+        """Whether top_p keeps a token with logit ``z`` if it is among the top ``k``, decided from the known logits
+        and the unscored members' bounds; None while the bounds leave it open.
+
+        With ``A`` the mass above ``z`` and ``R`` the mass of the top ``k``'s tokens at or below ``z`` (all of ``A``
+        is in the top ``k``), top_p keeps it iff ``A < p (A + R)``, i.e. ``(1 - p) A < p R``.  Keeping is hardest
+        with every unscored member that could lie above ``z`` at its bound (``A`` largest, the fewest places left
+        below ``z``, filled by known logits alone) and easiest with none above ``z`` and each at
+        ``min(bound, z)``."""
         known = self.known
         if not bool(torch.isfinite(known).any()):
             return None
         bounds = self.unscored_bounds()
         top = float(torch.cat([known, bounds]).max())
-        above_known = float(torch.exp(known[known > z] - top).sum())
-        above_bound = above_known + float(torch.exp(bounds[bounds > z] - top).sum())
-        top_k_known = known.topk(min(k, known.numel())).values
-        if not bool((bounds >= top_k_known[-1]).any()):  # no unscored member can enter the top k: its mass is known
-            top_k_low = top_k_high = float(torch.exp(known[known >= top_k_known[-1]] - top).sum())
-        else:
-            top_k_low = float(torch.exp(top_k_known - top).sum())
-            every = torch.cat([known, bounds])
-            top_k_high = float(torch.exp(every[every >= every.topk(min(k, every.numel())).values[-1]] - top).sum())
-        if above_bound < top_p * top_k_low:
+        known_above, bound_above = known > z, bounds > z
+        places = k - int(known_above.sum())
+        if places <= 0:  # not among the top k
+            return False
+        above_low = float(torch.exp(known[known_above] - top).sum())
+        above_high = above_low + float(torch.exp(bounds[bound_above] - top).sum())
+        below = known[~known_above]
+        rest_low = _top_mass(below, max(1, places - int(bound_above.sum())), top)
+        rest_high = _top_mass(torch.cat([below, bounds.clamp(max=z)]), places, top)
+        if (1.0 - top_p) * above_high < top_p * rest_low:
             return True
-        if above_known >= top_p * top_k_high:
+        if (1.0 - top_p) * above_low >= top_p * rest_high:
             return False
         return None
+
+
+def _top_mass(values: torch.Tensor, count: int, top: float) -> float:
+    """``Σ exp(v - top)`` over the ``count`` largest of ``values`` and every value tied with the last (vLLM's top_k
+    keeps ties); 0 when there is none."""
+    if not values.numel():
+        return 0.0
+    kth = values.topk(min(count, values.numel())).values[-1]
+    return float(torch.exp(values[values >= kth] - top).sum())
 
 
 def _top_p_floor(

@@ -409,9 +409,9 @@ def test_the_batched_common_case_draws_what_each_rows_own_path_draws(row_filter,
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9])
 def test_a_top_k_rows_nucleus_verdicts_and_floor_hold_for_every_logit_within_the_bounds(top_p):
-    """top_k with top_p, by rejection: what the bounds decide (`in_nucleus` True or False; the floor under which top_p
-    drops every token) is what top_p does to the exact row, for member logits anywhere below their bounds; the
-    bounds decide many proposals before all atoms are scored, and every one after."""
+    """top_k with top_p, by rejection: what the bounds decide (`in_nucleus` True or False for a token of the top k;
+    the floor under which top_p drops every token) is what top_p does to the exact row, for member logits anywhere
+    below their bounds; the bounds decide most proposals before all atoms are scored, and every one after."""
     import my_pkg.flashhead.compact_law as law
 
     g = torch.Generator().manual_seed(7)
@@ -445,4 +445,6 @@ def test_a_top_k_rows_nucleus_verdicts_and_floor_hold_for_every_logit_within_the
                     decided += verdict is not None
             if scored < count:
                 row.add(scored, truth[scored])
-    assert decided > asked / 10  # before every atom is scored
+    # Before every atom is scored the bounds decide most proposals: 83 % at top_p 0.5, 57 % at 0.9 (52 % and 22 % with
+    # the top k's mass bounded apart from the mass above the proposal).
+    assert decided > 0.4 * asked
