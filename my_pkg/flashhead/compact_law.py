@@ -872,7 +872,7 @@ def _top_p_floor(
         return float("-inf")
     every = torch.cat([values, (atoms.estimates[clusters].double() + margin).flatten()])
     top = float(every.max())
-    top_k_high = float(torch.exp(every[every >= every.topk(min(k, every.numel())).values[-1]] - top).sum())
+    top_k_high = _top_mass(every, k, top)
     mass = torch.exp(values - top).cumsum(0)
     above = mass[-1] - mass[torch.searchsorted(values, values, right=True) - 1]
     dropped = above >= top_p * top_k_high
