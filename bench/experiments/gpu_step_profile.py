@@ -5,8 +5,9 @@
 calls, and prints, per shape and batch, the device time of each kernel per step (summed over its launches), the
 launches per step, and the step's wall time on the host (synchronised) against the sum of its kernels: a wall time
 far above the kernels' sum is launch overhead and host work between the launches.  Then stage 1's probe choice
-alone, as served (int64 keys that order ties) against a plain float ``topk``, in CUDA-graph replays.  Random head,
-random balanced assignment, the builder's default probes and the fitted sampled-row estimate of a default build.
+alone, as served (int64 keys that order ties) against a plain float ``topk`` and 32-bit keys, in CUDA-graph
+replays.  Random head, random balanced assignment, the builder's default probes and the fitted sampled-row
+estimate of a default build.
 
 Needs a CUDA device and torch + Triton only (no vLLM).
 
@@ -68,10 +69,26 @@ def _report(label: str, kernels: dict[str, tuple[float, int]], wall_ms: float) -
         print(f"      {ms:8.4f} ms  x{count:<3d} {name[:110]}")
 
 
+def half_precision_probes(scores: torch.Tensor, n_probes: int) -> torch.Tensor:
+    """:func:`my_pkg.flashhead.probes.select_probes` from 32-bit keys, for bf16/fp16 scores and at most 65,536
+    clusters: the score's 16 bits mapped to an int that sorts like the score, times ``2**16``, plus
+    ``2**16 - 1 - id``; the same clusters in the same order (widening a half-precision score to float32, as the
+    served 64-bit keys do, keeps its order)."""
+    if scores.dtype not in (torch.bfloat16, torch.float16) or scores.shape[1] > 1 << 16:
+        raise ValueError("32-bit keys need bf16/fp16 scores and at most 65,536 clusters")
+    bits = scores.contiguous().view(torch.int16).to(torch.int32)
+    ordered = bits ^ ((bits >> 15) & 0x7FFF)  # negative scores: reverse their magnitude order
+    ids = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int32)
+    keys = ordered * (1 << 16) + ((1 << 16) - 1 - ids)
+    top = torch.topk(keys, n_probes, dim=-1, sorted=True).values
+    return ((1 << 16) - 1 - (top & 0xFFFF)).long()
+
+
 def stage1_selection_ms(scores: torch.Tensor, n_probes: int) -> dict[str, float]:
     """Device ms (CUDA-graph replays, median) of choosing the probes from stage 1's scores ``[B, C]``: as served
     (int64 keys, the smaller id first on ties, ``topk(sorted=True)``: :func:`my_pkg.flashhead.probes.select_probes`),
-    against a plain ``topk`` of the float scores, sorted and unsorted (no tie rule, for scale only)."""
+    against a plain ``topk`` of the float scores, sorted and unsorted (no tie rule, for scale only), and for
+    half-precision scores the same choice from 32-bit keys (:func:`half_precision_probes`)."""
     import triton.testing
 
     from my_pkg.flashhead.probes import select_probes
@@ -81,6 +98,8 @@ def stage1_selection_ms(scores: torch.Tensor, n_probes: int) -> dict[str, float]
         "float topk, sorted": lambda: torch.topk(scores, n_probes, dim=1, sorted=True),
         "float topk, unsorted": lambda: torch.topk(scores, n_probes, dim=1, sorted=False),
     }
+    if scores.dtype in (torch.bfloat16, torch.float16):
+        runs["32-bit keys, sorted"] = lambda: half_precision_probes(scores, n_probes)
     return {
         name: float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")) for name, fn in runs.items()
     }
