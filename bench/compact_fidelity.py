@@ -124,9 +124,10 @@ def measure(
     pinned: list[int],
     cells: dict[str, Cell],
     options: LawOptions,
-    clusters: int,
+    clusters: int | None,
 ) -> None:
-    """Add one source's rows to each setting's cell."""
+    """Add one source's rows to each setting's cell; `clusters` in every exact set (None: as served,
+    `compact_clusters` of the setting's filters)."""
     compact = CompactHead(head)
     pinned_ids = torch.tensor(pinned, dtype=torch.int64)
     from my_pkg.flashhead.head import PinnedIds
@@ -136,11 +137,12 @@ def measure(
     for label, temperature, row_filter, _ in SETTINGS:
         cell = cells.setdefault(label, Cell())
         threshold = row_filter.top_k is None and not (row_filter.min_p > 0 and row_filter.top_p < 1)
+        exact_clusters = clusters or compact_clusters(head, top_k_with_top_p=_top_k_with_top_p(row_filter))
         for start in range(0, states.shape[0], 256):
             hidden = states[start : start + 256]
             temperatures = torch.full((hidden.shape[0],), temperature)
             placeholder, rows = compact.plan(
-                hidden, temperatures, pinned=pins, postprocess=lambda x: x, clusters=clusters
+                hidden, temperatures, pinned=pins, postprocess=lambda x: x, clusters=exact_clusters
             )
             processed = placeholder.float() / temperature
             exact = processed.gather(1, rows.exact_ids).masked_fill_(~rows.exact_valid, -math.inf)
@@ -177,13 +179,24 @@ def measure(
             cell.exact_rows += int(rows.exact_valid.sum())
 
 
+def _top_k_with_top_p(row_filter: RowFilter) -> bool:
+    return row_filter.top_k is not None and row_filter.top_p < 1.0
+
+
+def exact_set_text(head: FlashHead, clusters: int | None) -> str:
+    if clusters is not None:
+        return f"exact set {clusters} clusters"
+    wide = compact_clusters(head, top_k_with_top_p=True)
+    return f"exact set {compact_clusters(head)} clusters ({wide} with both top_k and top_p)"
+
+
 def _q(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def report(
-    cells_by_source: dict[str, dict[str, Cell]], head: FlashHead, options: LawOptions, clusters: int
+    cells_by_source: dict[str, dict[str, Cell]], head: FlashHead, options: LawOptions, clusters: int | None
 ) -> tuple[str, bool]:
     lines = [
         "| setting | held-out source | rows | TV mean / p90 / max | clusters resolved (mean) | over budget | miss rows "
@@ -235,7 +248,7 @@ def report(
             f"Command: `{command_line()}`",
             "",
             f"V = {head.vocab_size:,}, H = {head.hidden_size}, {head.num_clusters} clusters of {head.cluster_size}; "
-            f"exact set {clusters} clusters and the pinned ids; fitted rank-{head.sampled_rank} estimate; margin "
+            f"{exact_set_text(head, clusters)} and the pinned ids; fitted rank-{head.sampled_rank} estimate; margin "
             f"ln {math.exp(options.margin):g}, budget {options.budget} clusters. "
             '"scored": rows scored per row as a share of V: the exact set, the clusters the draw resolved and the '
             f"estimate's multiply-adds counted in rows ({estimate:.1%}). A miss row: a member above its estimate plus "
@@ -265,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     head = default_build(fx)
     pinned = sorted({fx.eos_id, *fx.special_ids.values()})
     options = LawOptions(margin=math.log(args.margin), budget=args.budget)
-    clusters = args.clusters or compact_clusters(head)
+    clusters = args.clusters
     cells = {}
     for source in ("docstrings", "code"):
         cells[source] = {}

@@ -19,7 +19,7 @@ Imports torch only; the head reaches it as an argument.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,14 +40,18 @@ PostProcess = Callable[[torch.Tensor], torch.Tensor]
 #: Clusters the exact set leaves to the draw: a row resolves 0.1–1.5 on average (trained fixture, every setting but
 #: top_k with top_p), so that the set and the draw together score no more rows than today's sampled row.
 _DRAW_RESERVE = 2
+#: The same for a row with both top_k and top_p, whose draw resolves 4–6.5 clusters (the count of tokens above a
+#: proposal and its top_p verdict both read the atoms near the k-th logit).
+_TOP_K_TOP_P_RESERVE = 6
 
 
-def compact_clusters(head: FlashHead) -> int:
+def compact_clusters(head: FlashHead, *, top_k_with_top_p: bool = False) -> int:
     """Clusters a compact row scores exactly: as many rows as a sampled row of today's law scores
-    (``sampled_n_probes`` clusters and ``sampled_rescore`` tokens), in whole clusters, less
-    ``_DRAW_RESERVE`` for the clusters the draw resolves; at least one."""
+    (``sampled_n_probes`` clusters and ``sampled_rescore`` tokens), in whole clusters, less the clusters the draw
+    resolves (``_DRAW_RESERVE``; ``_TOP_K_TOP_P_RESERVE`` for a row with both top_k and top_p); at least one."""
     rescored = -(-head.sampled_rescore // head.cluster_size)
-    return max(1, min(head.num_clusters, head.sampled_n_probes + rescored - _DRAW_RESERVE))
+    reserve = _TOP_K_TOP_P_RESERVE if top_k_with_top_p else _DRAW_RESERVE
+    return max(1, min(head.num_clusters, head.sampled_n_probes + rescored - reserve))
 
 
 @dataclass
@@ -81,6 +85,31 @@ class CompactRows:
     @property
     def atoms(self) -> Atoms:
         return Atoms(self.atom_log_mass, self.atom_log_max, self.member_estimates, self.members)
+
+    @staticmethod
+    def concat(parts: Sequence[CompactRows]) -> CompactRows:
+        """The rows of ``parts`` (planned by the same head and post-processing) one after the other; the exact sets are
+        padded to the widest with invalid slots."""
+        if len(parts) == 1:
+            return parts[0]
+        width = max(int(part.exact_ids.shape[1]) for part in parts)
+
+        def padded(tensor: torch.Tensor, value: int | bool) -> torch.Tensor:
+            return torch.nn.functional.pad(tensor, (0, width - int(tensor.shape[1])), value=value)
+
+        first = parts[0]
+        return CompactRows(
+            hidden=torch.cat([part.hidden for part in parts]),
+            temperature=torch.cat([part.temperature for part in parts]),
+            exact_ids=torch.cat([padded(part.exact_ids, 0) for part in parts]),
+            exact_valid=torch.cat([padded(part.exact_valid, False) for part in parts]),
+            atom_log_mass=torch.cat([part.atom_log_mass for part in parts]),
+            atom_log_max=torch.cat([part.atom_log_max for part in parts]),
+            member_estimates=torch.cat([part.member_estimates for part in parts]),
+            members=first.members,
+            postprocess=first.postprocess,
+            pinned=first.pinned,
+        )
 
 
 class CompactHead:

@@ -41,7 +41,7 @@ class StepPlan:
     """What the sampler hook needs to draw a step's compact rows."""
 
     logits: torch.Tensor  # the step's logits as `compute_logits` returned them
-    rows: np.ndarray  # the compact rows' positions in the step, ascending
+    rows: np.ndarray  # the compact rows' positions in the step, in `compact`'s row order
     compact: CompactRows
     head: CompactHead
     min_p: np.ndarray  # per compact row
@@ -148,16 +148,25 @@ def serve(
     planner = compact_head(head)
     timer = served.timer
     token = timer.start(hidden.device)
-    index = index_tensor(compact, hidden.device)
-    placeholder, planned = planner.plan(
-        hidden.index_select(0, index),
-        torch.from_numpy(rows.temperature[compact]),
-        pinned=pins,
-        postprocess=postprocess,
-        clusters=compact_clusters(head),
-    )
-    logits = torch.empty((hidden.shape[0], head.vocab_size), dtype=placeholder.dtype, device=hidden.device)
-    logits.index_copy_(0, index, placeholder)
+    logits: torch.Tensor | None = None
+    parts = []
+    groups = _by_exact_set(rows, compact)
+    for group, top_k_with_top_p in groups:
+        index = index_tensor(group, hidden.device)
+        placeholder, planned = planner.plan(
+            hidden.index_select(0, index),
+            torch.from_numpy(rows.temperature[group]),
+            pinned=pins,
+            postprocess=postprocess,
+            clusters=compact_clusters(head, top_k_with_top_p=top_k_with_top_p),
+        )
+        if logits is None:
+            logits = torch.empty((hidden.shape[0], head.vocab_size), dtype=placeholder.dtype, device=hidden.device)
+        logits.index_copy_(0, index, placeholder)
+        parts.append(planned)
+    assert logits is not None
+    compact = np.concatenate([group for group, _ in groups])
+    planned = CompactRows.concat(parts)
     is_compact = np.zeros(rows.num_rows, dtype=bool)
     is_compact[compact] = True
     others = np.flatnonzero((rows.dense_codes == 0) & ~is_compact)
@@ -178,6 +187,14 @@ def serve(
     count_served(served.counters, served.recent, rows, greedy, flash_sampled, int(dense_rows.size), False)
     served.slot.put(StepPlan(logits, compact, planned, planner, rows.min_p[compact], rows.sampled & ~is_compact))
     return logits
+
+
+def _by_exact_set(rows: StepRows, compact: np.ndarray) -> list[tuple[np.ndarray, bool]]:
+    """The `compact` rows by the size of their exact set: `(rows, with both top_k and top_p)`, each group planned at
+    once (`compact_clusters`)."""
+    wide = rows.top_k_with_top_p[compact] if rows.top_k_with_top_p is not None else np.zeros(compact.size, bool)
+    groups = [(compact[~wide], False), (compact[wide], True)]
+    return [(group, kind) for group, kind in groups if group.size]
 
 
 def draw(

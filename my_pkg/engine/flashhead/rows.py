@@ -218,6 +218,9 @@ class StepRows:
     compact: np.ndarray | None = None
     temperature: np.ndarray | None = None
     min_p: np.ndarray | None = None
+    #: Bool per row: a top_k and a top_p (None: no row has both); a compact row's draw then resolves more clusters,
+    #: and its exact set leaves them room (`compact.compact_clusters`).
+    top_k_with_top_p: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:

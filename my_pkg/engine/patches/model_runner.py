@@ -60,6 +60,9 @@ VLLM_SYMBOLS = (
         "presence_penalties_cpu",
         "frequency_penalties_cpu",
         "repetition_penalties_cpu",
+        "top_k_cpu",
+        "top_p_cpu",
+        "vocab_size",
     ),
     *attributes("vllm.v1.worker.gpu_input_batch:CachedRequestState", "req_id", "sampling_params"),
     *attributes("vllm.v1.sample.logits_processor.state:LogitsProcessors", "all"),
@@ -122,15 +125,23 @@ def step_rows(input_batch: Any) -> StepRows:
         )
     temperature = np.asarray(input_batch.temperature_cpu[:num_rows], dtype=np.float32)
     sampled = temperature > 0.0
-    min_p, compact = None, None
+    min_p, compact, top_k_with_top_p = None, None, None
     try:
         min_p = _min_p(input_batch, num_rows)
         if min_p is not None and sampled.any():
             compact = sampled & (codes == 0) & _without_penalties(input_batch, num_rows)
+            top_k_with_top_p = _top_k_with_top_p(input_batch, num_rows)
     except Exception as exc:  # noqa: BLE001 - no compact rows: vLLM's sampler draws them all
         warn_once("compact rows", exc)
+        compact = None
     return StepRows(
-        dense_codes=codes, sampled=sampled, stop_ids=stop_ids, compact=compact, temperature=temperature, min_p=min_p
+        dense_codes=codes,
+        sampled=sampled,
+        stop_ids=stop_ids,
+        compact=compact,
+        temperature=temperature,
+        min_p=min_p,
+        top_k_with_top_p=top_k_with_top_p,
     )
 
 
@@ -141,6 +152,13 @@ def _min_p(input_batch: Any, num_rows: int) -> np.ndarray | None:
             values = getattr(processor, "min_p_cpu", None)
             return None if values is None else np.asarray(values[:num_rows], dtype=np.float32)
     return None
+
+
+def _top_k_with_top_p(input_batch: Any, num_rows: int) -> np.ndarray:
+    """Rows with both a top_k (below the vocabulary, as vLLM stores none) and a top_p (below 1)."""
+    top_k = np.asarray(input_batch.top_k_cpu[:num_rows])
+    top_p = np.asarray(input_batch.top_p_cpu[:num_rows])
+    return (top_k > 0) & (top_k < input_batch.vocab_size) & (top_p < 1.0)
 
 
 def _without_penalties(input_batch: Any, num_rows: int) -> np.ndarray:

@@ -33,3 +33,4 @@ def test_a_short_run_reports_every_setting_and_writes_its_section(monkeypatch):
     for label, *_ in compact_fidelity.SETTINGS:
         assert f"| {label} | docstrings | 16 |" in table and f"| {label} | code | 16 |" in table
     assert "Command: `python -m" in table and "miss rows of 32" in table
+    assert "exact set 14 clusters (10 with both top_k and top_p)" in table  # as served: `compact_clusters`

@@ -3,6 +3,7 @@ own CPU `TopKTopPSampler` (the other rows, the generators, the fallback)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +14,7 @@ from my_pkg.engine.flashhead import compact_step
 from my_pkg.engine.flashhead.rows import StepRows
 from my_pkg.engine.flashhead.telemetry import Counters, FidelityCheck, HeadTimer, RecentSteps
 from my_pkg.engine.patches import compact_sampler, model_runner
+from my_pkg.flashhead.compact import compact_clusters
 from my_pkg.flashhead.head import PinnedIds
 from my_pkg.flashhead.settings import default_settings
 from tests.support.heads import random_head
@@ -71,6 +73,35 @@ def test_a_step_gives_compact_rows_their_placeholder_and_every_other_row_its_usu
     assert counters.rows_flashhead == 3 and counters.rows_flashhead_masked == 0
 
 
+def test_rows_with_top_k_and_top_p_leave_their_draw_more_clusters_and_each_row_draws_as_alone(head):
+    """A row with both top_k and top_p scores fewer clusters exactly (its draw resolves more: `compact_clusters`); in
+    a step beside other compact rows each row keeps its own exact set, and draws the token it draws alone."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, HIDDEN, generator=g)
+    rows = _rows([0.8, 0.8, 0.8], [True, True, True])
+    rows.top_k_with_top_p = np.array([False, True, False])
+    logits, slot, counters = _serve(head, rows, hidden)
+    plan = slot.plan
+    narrow, wide = compact_clusters(head), compact_clusters(head, top_k_with_top_p=True)
+    assert wide < narrow
+    finite = torch.isfinite(logits).sum(dim=1).tolist()
+    assert finite[1] <= wide * 16 + 1 < finite[0] and finite[2] > wide * 16 + 1
+    for i, row in enumerate(plan.rows.tolist()):  # each plan row's exact set is its own row's finite logits
+        ids = plan.compact.exact_ids[i][plan.compact.exact_valid[i]]
+        assert set(ids.tolist()) == set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist())
+    k, p = torch.tensor([20, 20, 20]), torch.tensor([0.9, 0.9, 0.9])
+    seeds = {0: 11, 1: 12, 2: 13}
+    together = compact_step.draw(plan, logits / 0.8, k, p, torch.tensor([seeds[r] for r in plan.rows]), Counter())
+    for i, row in enumerate(plan.rows.tolist()):
+        one = _rows([0.8], [True])
+        one.top_k_with_top_p = rows.top_k_with_top_p[[row]]
+        alone_logits, alone_slot, _ = _serve(head, one, hidden[[row]])
+        alone = compact_step.draw(
+            alone_slot.plan, alone_logits / 0.8, k[:1], p[:1], torch.tensor([seeds[row]]), Counter()
+        )
+        assert int(alone[0]) == int(together[i]), row
+
+
 def test_rows_qualify_only_when_sampled_unpenalised_and_planned_on_one_cpu_rank(head):
     settings = default_settings({}, head.num_clusters)
     rows = _rows([0.7, 0.7], [True, False])
@@ -94,10 +125,14 @@ def test_the_model_runner_marks_compact_rows_from_the_batch():
         presence_penalties_cpu=np.zeros(5, np.float32),
         frequency_penalties_cpu=np.array([0, 0, 0, 0.5, 0], np.float32),
         repetition_penalties_cpu=np.ones(5, np.float32),
+        top_k_cpu=np.array([20, 20, 512, 512, 512], np.int32),  # vLLM stores "no top_k" as the vocabulary size
+        top_p_cpu=np.array([0.9, 1.0, 0.9, 0.9, 1.0], np.float32),
+        vocab_size=512,
     )
     rows = model_runner.step_rows(batch)
     assert rows.compact.tolist() == [True, True, False, False]  # greedy row 2, penalised row 3
     assert rows.min_p.tolist() == pytest.approx([0.0, 0.1, 0.0, 0.0])
+    assert rows.top_k_with_top_p.tolist() == [True, False, False, False]
     del batch.presence_penalties_cpu  # a vLLM without it: no compact row, the step is served as before
     assert model_runner.step_rows(batch).compact is None
 
