@@ -26,6 +26,7 @@ from e2e_support import (
     BOTH_HALVES,
     CLUSTER_SIZE,
     DEFAULT_PROBES,
+    EAGER,
     LORA_NAME,
     MODEL_SPEC,
     NGRAM_SPEC,
@@ -189,6 +190,7 @@ SERVERS: dict[str, ServerSpec] = {
         "base_model",
         "endpoint-only",
         {"VLLM_PLUGINS": "my_pkg_admin"},
+        EAGER,
         scope="session",
     ),
     "tp2_server": ServerSpec(
@@ -251,7 +253,7 @@ SERVERS: dict[str, ServerSpec] = {
         "base_model",
         "pooling",
         _ADMIN,
-        ("--runner", "pooling", "--convert", "embed"),
+        ("--runner", "pooling", "--convert", "embed", *EAGER),
     ),
     "other_plugin_server": ServerSpec(
         "The FlashHead model with both halves and another plugin that owns LogitsProcessor.",
@@ -264,7 +266,7 @@ SERVERS: dict[str, ServerSpec] = {
         "flashhead_model",
         "dp2",
         {"VLLM_PLUGINS": BOTH_HALVES, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "MY_PKG_ADMIN_TOKEN": ADMIN_TOKEN},
-        ("--data-parallel-size", "2"),
+        ("--data-parallel-size", "2", *EAGER),
     ),
 }
 

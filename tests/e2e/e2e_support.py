@@ -15,6 +15,10 @@ LORA_NAME = "tiny-lora"
 #: How long the API server waits for the workers (MY_PKG_RPC_TIMEOUT) on the servers that stall tests pause.
 RPC_TIMEOUT = "4"
 BOTH_HALVES = "my_pkg_engine,my_pkg_admin"
+#: Servers whose tests check neither text nor logprobs (the endpoint half alone, a pooling model, process topologies)
+#: start eager: half the start-up (no torch.compile warm-up). Every server whose answers a test compares keeps vLLM's
+#: defaults.
+EAGER = ("--enforce-eager",)
 MODEL_SPEC = TinyLlamaSpec(vocab_size=4096, hidden_size=128, num_hidden_layers=2)
 CLUSTER_SIZE = 16
 NUM_CLUSTERS = MODEL_SPEC.vocab_size // CLUSTER_SIZE

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_support import ADMIN_TOKEN, BOTH_HALVES, RPC_TIMEOUT, auth
+from e2e_support import ADMIN_TOKEN, BOTH_HALVES, EAGER, RPC_TIMEOUT, auth
 
 from tests.support.server import VllmServer
 
@@ -39,7 +39,7 @@ AUDIT = "/plugins/my_pkg/audit"
 SERIES = "my_pkg_flashhead_n_probes{"
 
 
-TOPOLOGIES = {"dp2": ["--data-parallel-size", "2"], "api2": ["--api-server-count", "2"]}
+TOPOLOGIES = {"dp2": ["--data-parallel-size", "2", *EAGER], "api2": ["--api-server-count", "2", *EAGER]}
 ENGINES = {"dp2": [0, 1], "api2": [0]}
 
 
