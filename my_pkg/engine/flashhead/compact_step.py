@@ -148,25 +148,23 @@ def serve(
     planner = compact_head(head)
     timer = served.timer
     token = timer.start(hidden.device)
-    logits: torch.Tensor | None = None
-    parts = []
     groups = _by_exact_set(rows, compact)
-    for group, top_k_with_top_p in groups:
-        index = index_tensor(group, hidden.device)
-        placeholder, planned = planner.plan(
+    indices = [index_tensor(group, hidden.device) for group, _ in groups]
+    plans = [
+        planner.plan(
             hidden.index_select(0, index),
             torch.from_numpy(rows.temperature[group]),
             pinned=pins,
             postprocess=postprocess,
             clusters=compact_clusters(head, top_k_with_top_p=top_k_with_top_p),
         )
-        if logits is None:
-            logits = torch.empty((hidden.shape[0], head.vocab_size), dtype=placeholder.dtype, device=hidden.device)
+        for index, (group, top_k_with_top_p) in zip(indices, groups, strict=True)
+    ]
+    logits = torch.empty((hidden.shape[0], head.vocab_size), dtype=plans[0][0].dtype, device=hidden.device)
+    for index, (placeholder, _) in zip(indices, plans, strict=True):
         logits.index_copy_(0, index, placeholder)
-        parts.append(planned)
-    assert logits is not None
     compact = np.concatenate([group for group, _ in groups])
-    planned = CompactRows.concat(parts)
+    planned = CompactRows.concat([part for _, part in plans])
     is_compact = np.zeros(rows.num_rows, dtype=bool)
     is_compact[compact] = True
     others = np.flatnonzero((rows.dense_codes == 0) & ~is_compact)
