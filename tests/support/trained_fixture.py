@@ -309,9 +309,18 @@ def collect_corpus(spec: FixtureSpec) -> Corpus:
     return Corpus(splits["train"], splits["calibration"], splits["heldout"], imported, skipped)
 
 
+def _parse(source: str) -> ast.Module:
+    """`ast.parse`, once more after the spurious `SystemError` "AST constructor recursion depth mismatch" that CPython
+    3.11 can raise in a process with other threads (python/cpython issue 106905)."""
+    try:
+        return ast.parse(source)
+    except SystemError:
+        return ast.parse(source)
+
+
 def _code_chunks(source: str) -> list[str]:
     """Top-level statements of a module's source with docstrings removed; consecutive imports/assignments grouped."""
-    tree = ast.parse(source)
+    tree = _parse(source)
     lines = source.splitlines()
     drop: set[int] = set()
     for node in ast.walk(tree):
