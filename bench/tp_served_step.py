@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,12 +56,71 @@ def _served_as(controller: Any, before: tuple[int, int, int], batch: int) -> str
     return _plan_taken(controller, before[:2], batch) + ("+x" if exchanged else "")
 
 
-def _rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+def _rank(
+    work: Callable[[int, int, argparse.Namespace], Any], rank: int, port: int, args: argparse.Namespace, queue: Any
+) -> None:
     try:
-        queue.put((rank, _serve(rank, port, args)))
+        queue.put((rank, work(rank, port, args)))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         queue.put((rank, exc))
         raise
+
+
+def spawn_ranks(work: Callable[[int, int, argparse.Namespace], Any], args: argparse.Namespace) -> dict[int, Any]:
+    """``work(rank, port, args)`` on each of ``WORLD`` spawned ranks (a module-level function: spawned processes
+    import it), which join vLLM's TP group at ``port``; rank -> what it returned (a rank that raised ends the run)."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_rank, args=(work, rank, port, args, queue)) for rank in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, value = queue.get(timeout=3600)
+            if isinstance(value, BaseException):
+                raise SystemExit(f"rank {rank} failed: {value!r}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return results
+
+
+def rank_head(
+    weight: torch.Tensor,
+    assignments: torch.Tensor,
+    centroids: torch.Tensor,
+    tail_factors: Any,
+    pinned_ids: Sequence[int],
+) -> tuple[Any, Any]:
+    """`(lm_head, processor)` on this rank of vLLM's TP group: vLLM's `ParallelLMHead` over its shard of `weight`
+    (loaded by its weight loader and set up as vLLM's loader does) and our `LogitsProcessor` subclass with a FlashHead
+    controller (the builder's default probes; its head not yet built)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from my_pkg.engine.flashhead import FlashHeadController
+    from my_pkg.engine.patches import logits_processor
+    from my_pkg.flashhead.spec import default_n_probes
+
+    vocab, hidden = weight.shape
+    clusters = int(centroids.shape[0])
+    lm_head = ParallelLMHead(vocab, hidden, params_dtype=weight.dtype)
+    lm_head.weight_loader(lm_head.weight, weight)
+    lm_head.quant_method.process_weights_after_loading(lm_head)  # vLLM's CPU GEMM set-up
+    processor = logits_processor.subclass()(vocab)
+    processor._my_pkg_flashhead = FlashHeadController(
+        centroids=centroids,
+        assignments=assignments,
+        config={"n_probes": default_n_probes(clusters)},
+        vocab_size=vocab,
+        pinned_ids=pinned_ids,
+        tail_factors=tail_factors,
+    )
+    return lm_head, processor
 
 
 def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
@@ -72,12 +132,9 @@ def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
         initialize_model_parallel,
     )
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from my_pkg.engine.flashhead import FlashHeadController, StepRows
-    from my_pkg.engine.patches import logits_processor
+    from my_pkg.engine.flashhead import StepRows
     from my_pkg.flashhead.clustering import random_balanced_assignment
-    from my_pkg.flashhead.spec import default_n_probes
 
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = f"bench-tp-served-step-{port}"  # as vLLM's CPU worker sets it
@@ -95,20 +152,10 @@ def _serve(rank: int, port: int, args: argparse.Namespace) -> dict:
         init_distributed_environment(WORLD, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
         initialize_model_parallel(tensor_model_parallel_size=WORLD)
         try:
-            lm_head = ParallelLMHead(args.vocab, args.hidden, params_dtype=dtype)
-            lm_head.weight_loader(lm_head.weight, weight)
-            lm_head.quant_method.process_weights_after_loading(lm_head)  # vLLM's CPU GEMM set-up
+            pinned = range(args.vocab - 3, args.vocab)
+            lm_head, processor = rank_head(weight, assignments, centroids, tail_factors, pinned)
+            controller = processor._my_pkg_flashhead
             del weight
-            processor = logits_processor.subclass()(args.vocab)
-            controller = FlashHeadController(
-                centroids=centroids,
-                assignments=assignments,
-                config={"n_probes": default_n_probes(clusters)},
-                vocab_size=args.vocab,
-                pinned_ids=range(args.vocab - 3, args.vocab),
-                tail_factors=tail_factors,
-            )
-            processor._my_pkg_flashhead = controller
             started = time.perf_counter()
             engine_setup.build_head(controller, lm_head)
             report = controller.status().step_costs
@@ -235,25 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict[int, dict]:
     """Both ranks' results (rank -> its timing, and how it served each step), from two spawned ranks."""
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=_rank, args=(rank, port, args, queue)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, dict] = {}
-    try:
-        for _ in procs:
-            rank, value = queue.get(timeout=3600)
-            if isinstance(value, BaseException):
-                raise SystemExit(f"rank {rank} failed: {value!r}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
-    return results
+    return spawn_ranks(_serve, args)
 
 
 def main(argv: list[str] | None = None) -> int:

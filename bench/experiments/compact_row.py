@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from bench._report import machine_description, median_ms
-from my_pkg.flashhead.compact import CompactHead, compact_clusters
+from my_pkg.flashhead.compact import CompactHead, CompactRows, compact_clusters
 from my_pkg.flashhead.compact_law import RowFilter, draw
 from my_pkg.flashhead.gumbel import row_keys
 from my_pkg.flashhead.head import FlashHead, PinnedIds
@@ -35,11 +35,23 @@ from my_pkg.sampling.top_p import apply_top_k_top_p
 from tests.support.heads import random_head
 
 TEMPERATURE, TOP_P = 0.7, 0.9
+Exact = tuple[torch.Tensor, torch.Tensor]  # a resolved cluster's ids and exact logits
+
+
+def drawn(logits: torch.Tensor, planned: CompactRows, resolve: Callable[[int, torch.Tensor], Exact]) -> torch.Tensor:
+    """The tokens of the compact rows ``planned`` at ``TEMPERATURE`` / ``TOP_P``, their exact logits read from
+    ``logits`` ``[B, V]`` (the placeholder, or the ranks' gathered shards of it), seeded by their row index."""
+    rows, vocab = logits.shape
+    offsets = torch.arange(rows).view(-1, 1) * vocab
+    exact = (logits.float() / TEMPERATURE).reshape(-1).take(offsets + planned.exact_ids)
+    exact.masked_fill_(~planned.exact_valid, -math.inf)
+    filters = [RowFilter(top_p=TOP_P)] * rows
+    return draw(planned.exact_ids, exact, planned.atoms, filters, row_keys(torch.arange(rows)), resolve, vocab).tokens
 
 
 def sides(head: FlashHead, hidden: torch.Tensor) -> tuple[Callable[[], object], Callable[[], object]]:
     """``(compact, full row)``: one sampled step of ``hidden``'s rows each way, to the drawn tokens."""
-    rows, vocab = hidden.shape[0], head.vocab_size
+    rows = hidden.shape[0]
     planner = CompactHead(head)
     pins = PinnedIds(torch.tensor([1, 2]), head.weight[[1, 2]])
     temperature = torch.full((rows,), TEMPERATURE)
@@ -48,18 +60,7 @@ def sides(head: FlashHead, hidden: torch.Tensor) -> tuple[Callable[[], object], 
         placeholder, planned = planner.plan(
             hidden, temperature, pinned=pins, postprocess=lambda x: x, clusters=compact_clusters(head)
         )
-        offsets = torch.arange(rows).view(-1, 1) * vocab
-        exact = (placeholder.float() / TEMPERATURE).reshape(-1).take(offsets + planned.exact_ids)
-        exact.masked_fill_(~planned.exact_valid, -math.inf)
-        return draw(
-            planned.exact_ids,
-            exact,
-            planned.atoms,
-            [RowFilter(top_p=TOP_P)] * rows,
-            row_keys(torch.arange(rows)),
-            lambda row, clusters: planner.resolve(planned, row, clusters),
-            vocab,
-        ).tokens
+        return drawn(placeholder, planned, lambda row, clusters: planner.resolve(planned, row, clusters))
 
     def full_row() -> torch.Tensor:
         logits = head.step_logits(hidden, sampled=torch.ones(rows, dtype=torch.bool).numpy(), pinned=pins)

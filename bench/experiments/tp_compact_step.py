@@ -30,25 +30,14 @@ import argparse
 import math
 import os
 import sys
-from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
-from bench._report import fitted_tail_factors, free_port, int_list, machine_description, paired_rounds
+from bench._report import fitted_tail_factors, int_list, machine_description, paired_rounds
+from bench.experiments.compact_row import TEMPERATURE, TOP_P, drawn
+from bench.tp_served_step import WORLD, rank_head, spawn_ranks
 from my_pkg.engine import setup as engine_setup
-
-WORLD = 2
-TEMPERATURE, TOP_P = 0.7, 0.9
-
-
-def _rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    try:
-        queue.put((rank, _measure(rank, port, args)))
-    except BaseException as exc:  # noqa: BLE001 - the parent reports it
-        queue.put((rank, exc))
-        raise
 
 
 def _measure(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
@@ -61,14 +50,10 @@ def _measure(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
         tensor_model_parallel_all_gather,
         tensor_model_parallel_all_reduce,
     )
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from my_pkg.engine.flashhead import FlashHeadController, StepRows
-    from my_pkg.engine.patches import logits_processor
+    from my_pkg.engine.flashhead import StepRows
     from my_pkg.flashhead.clustering import random_balanced_assignment
     from my_pkg.flashhead.compact import CompactHead, compact_clusters
-    from my_pkg.flashhead.compact_law import RowFilter, draw
-    from my_pkg.flashhead.gumbel import row_keys
     from my_pkg.flashhead.head import FlashHead, PinnedIds
     from my_pkg.flashhead.spec import default_n_probes, default_sampled_rescore
     from my_pkg.sampling.top_p import apply_top_k_top_p
@@ -102,19 +87,8 @@ def _measure(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
         init_distributed_environment(WORLD, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
         initialize_model_parallel(tensor_model_parallel_size=WORLD)
         try:
-            lm_head = ParallelLMHead(args.vocab, args.hidden)
-            lm_head.weight_loader(lm_head.weight, weight)
-            lm_head.quant_method.process_weights_after_loading(lm_head)
-            processor = logits_processor.subclass()(args.vocab)
-            controller = FlashHeadController(
-                centroids=centroids,
-                assignments=assignments,
-                config={"n_probes": default_n_probes(clusters)},
-                vocab_size=args.vocab,
-                pinned_ids=pinned,
-                tail_factors=tail_factors,
-            )
-            processor._my_pkg_flashhead = controller
+            lm_head, processor = rank_head(weight, assignments, centroids, tail_factors, pinned)
+            controller = processor._my_pkg_flashhead
             engine_setup.build_head(controller, lm_head)
 
             def sampler(logits: torch.Tensor) -> torch.Tensor:
@@ -145,9 +119,6 @@ def _measure(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
                     raise RuntimeError("the ranks planned different rows")
                 if float(tensor_model_parallel_all_reduce(torch.ones(1))) != WORLD:
                     raise RuntimeError("a rank is not ready")
-                offsets = torch.arange(rows).view(-1, 1) * args.vocab
-                exact = (logits.float() / TEMPERATURE).reshape(-1).take(offsets + planned.exact_ids)
-                exact.masked_fill_(~planned.exact_valid, -math.inf)
 
                 def resolve(row: int, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                     ids, values = planner.resolve(planned, row, chosen)
@@ -156,15 +127,7 @@ def _measure(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
                     summed = tensor_model_parallel_all_reduce(torch.where(own, values, 0.0))
                     return ids, summed.masked_fill_(~finite, -math.inf)
 
-                return draw(
-                    planned.exact_ids,
-                    exact,
-                    planned.atoms,
-                    [RowFilter(top_p=TOP_P)] * rows,
-                    row_keys(torch.arange(rows)),
-                    resolve,
-                    args.vocab,
-                ).tokens
+                return drawn(logits, planned, resolve)
 
             out = []
             hidden_rows = torch.Generator().manual_seed(1)
@@ -203,24 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab % WORLD:
         ap.error(f"--vocab must be a multiple of {WORLD}")
     print(machine_description(), flush=True)
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=_rank, args=(rank, port, args, queue)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, list[dict]] = {}
-    try:
-        for _ in procs:
-            rank, value = queue.get(timeout=3600)
-            if isinstance(value, BaseException):
-                raise SystemExit(f"rank {rank} failed: {value!r}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
+    results = spawn_ranks(_measure, args)
     print("| batch | today ms | compact planned whole ms | today / compact (spread) | same tokens on both ranks |")
     print("|---:|---:|---:|---:|:---|")
     for line in results[0]:

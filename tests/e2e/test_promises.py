@@ -119,7 +119,7 @@ def _stream(http, body: dict, arrivals: list[float]) -> None:
 def _update_while_streaming(http, model: str, n_probes: int) -> str | None:
     """8 requests stream 480 tokens each; once one has streamed 40 chunks, a PUT of `n_probes`. What went wrong, or
     None: the PUT answered 200 within 2 s while they still streamed, and no stream waited 1 s or more for a chunk
-    while the update was in flight."""
+    while the update was in flight (an update answered only after every stream ended is one that held up)."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
     arrivals: list[list[float]] = [[] for _ in range(8)]
     with ThreadPoolExecutor(8) as pool:
@@ -134,7 +134,8 @@ def _update_while_streaming(http, model: str, n_probes: int) -> str | None:
         for stream in streams:
             stream.result()
     assert response.status_code == 200, response.text
-    assert any(times[-1] > answered for times in arrivals), "the streams ended before the update answered"
+    if not any(times[-1] > answered for times in arrivals):
+        return f"the streams ended before the update answered, {answered - started:.2f} s after it was sent"
     if answered - started >= 2.0:
         return f"the update answered after {answered - started:.2f} s"
     # How long each stream waited for a chunk while the update was in flight (a wait that began before the PUT was
