@@ -18,10 +18,12 @@ states to the drawn tokens:
 The prototype scores every exact token on each rank (a rank would score only its half) and resolves every member
 of a cluster on each rank: it overstates the compact side's work, never the other's. Both ranks draw the same
 tokens (checked). Ratio = today / compact, median over ``--rounds`` paired rounds of ``--repeats`` calls (median)
-on rank 0's wall clock.
+on rank 0's wall clock; hidden states ``randn / sqrt(H) * --hidden-scale``. A ratio above 1 here did not carry over
+to a server, whose rows were cheaper for today's top-p (docs/research/experiments.md, ``tp_compact_step``).
 
     python -m bench.experiments.tp_compact_step
     python -m bench.experiments.tp_compact_step --vocab 128256 --hidden 2048 --batches 1,8
+    python -m bench.experiments.tp_compact_step --hidden-scale 1     # flat rows
 """
 
 from __future__ import annotations
